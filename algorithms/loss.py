@@ -1,0 +1,127 @@
+"""The clipped policy-gradient surrogate with per-token weights and layout-independent aggregation.
+
+One token's loss (section 1 of docs/stare-algorithm.md):
+
+    rho    = exp(clamp(logp - old_logp, -20, 20))
+    loss_t = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
+    loss_t = min(loss_t, -A c)        for A < 0, with dual clip c > 1
+    loss_t = weight_t * loss_t        STARE's token weights (1 where unset)
+
+Aggregation divides by token or sequence counts. Give ``num_tokens`` / ``num_seqs`` as the counts of the
+whole step (all micro-batches, all data-parallel ranks) and each micro-batch's loss becomes its share of the
+step's loss: the shares add up to the full-batch loss, so gradient accumulation gives the one-big-batch
+gradient. (A data-parallel wrapper that averages gradients over R ranks needs the loss multiplied by R.)
+
+Nothing here reads a tensor's value on the host: the metrics come back as 0-dim tensors, and the finiteness
+check only runs where it is free (CPU tensors) unless asked for.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    broadcast_advantages,
+    check_choice,
+    check_finite,
+    check_range,
+    check_same_shape,
+    should_validate,
+)
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOG_RATIO_CLAMP = 20.0
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    weights: torch.Tensor | None = None,
+    agg: str = "token-mean",
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+    norm_len: int | None = None,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss over ``[B, T]`` token tensors; returns ``(loss, metrics)``.
+
+    - ``advantages``: ``[B, T]`` or per-sequence ``[B]``.
+    - ``mask``: 1 on response tokens, 0 on padding.
+    - ``weights``: per-token multipliers of each token's loss (they do not enter the denominators).
+    - ``agg``: ``token-mean`` (sum / num_tokens), ``seq-mean-token-mean`` (mean over sequences of each
+      sequence's token mean), ``seq-mean-token-sum-norm`` (Dr.GRPO: sum / (num_seqs * norm_len)).
+    - ``num_tokens`` / ``num_seqs``: global counts; default to this call's own counts (``mask.sum()`` and
+      ``B``). ``norm_len`` (Dr.GRPO's constant) defaults to ``T``; pass the maximum response length so
+      that it does not depend on padding.
+    - ``validate``: check for NaN/inf; ``None`` checks CPU tensors only (no device synchronisation).
+
+    ``metrics``: ``clip_frac_low`` (A < 0 tokens held at 1 - clip_low), ``clip_frac_high`` (A > 0 tokens
+    held at 1 + clip_high), ``dual_clip_frac``, ``approx_kl`` (k3 estimator of KL(old || new)) and
+    ``weight_mean``; each a masked sum over the same token denominator as ``token-mean``, so with global
+    counts the micro-batch values also add up to the step's.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, mask=mask, weights=weights)
+    advantages = broadcast_advantages(advantages, logprobs)
+    check_choice("aggregation", agg, AGGREGATIONS)
+    check_range("clip_low", clip_low, 0, 1, high_open=True)
+    check_range("clip_high", clip_high, 0, None)
+    if dual_clip is not None:
+        check_range("dual_clip", dual_clip, 1, None, low_open=True)
+    if norm_len is not None:
+        check_range("norm_len", norm_len, 0, None, low_open=True)
+    if should_validate(validate, logprobs, old_logprobs, advantages, weights):
+        where = mask.bool()
+        check_finite(where, logprobs=logprobs.detach(), old_logprobs=old_logprobs, advantages=advantages, weights=weights)
+
+    mask_f = mask.to(logprobs.dtype)
+    advantages = advantages.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    neg = advantages < 0
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_hit = neg & (token_loss > cap)
+        token_loss = torch.where(neg, torch.minimum(token_loss, cap), token_loss)
+    else:
+        dual_hit = torch.zeros_like(neg)
+    if weights is not None:
+        token_loss = token_loss * weights.to(token_loss.dtype)
+
+    if num_tokens is None:
+        num_tokens = mask_f.sum()
+    if num_seqs is None:
+        num_seqs = logprobs.shape[0]
+    if agg == "token-mean":
+        loss = (token_loss * mask_f).sum() / num_tokens
+    elif agg == "seq-mean-token-mean":
+        seq_len = mask_f.sum(dim=-1).clamp(min=1.0)
+        loss = ((token_loss * mask_f).sum(dim=-1) / seq_len).sum() / num_seqs
+    else:  # seq-mean-token-sum-norm
+        length = logprobs.shape[-1] if norm_len is None else norm_len
+        loss = (token_loss * mask_f).sum() / (num_seqs * length)
+
+    with torch.no_grad():
+        denom = num_tokens
+
+        def frac(flags: torch.Tensor) -> torch.Tensor:
+            return (flags.to(mask_f.dtype) * mask_f).sum() / denom
+
+        r = ratio.detach()
+        metrics = {
+            "clip_frac_low": frac(neg & (r < 1.0 - clip_low)),
+            "clip_frac_high": frac((advantages > 0) & (r > 1.0 + clip_high)),
+            "dual_clip_frac": frac(dual_hit),
+            "approx_kl": ((r - 1.0 - log_ratio.detach()) * mask_f).sum() / denom,
+            "weight_mean": (mask_f.sum() if weights is None else (weights.detach().to(mask_f.dtype) * mask_f).sum()) / denom,
+        }
+    return loss, metrics

@@ -1,0 +1,135 @@
+"""Named algorithms: what a user types after ``--algo``, mapped to a full set of settings.
+
+Every setting can be overridden (``get_algorithm("stare", w=1.5)``); ``AlgoConfig.validate`` checks the
+result. Engines read an ``AlgoConfig`` and nothing else about the algorithm.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from ._checks import check_choice, check_range
+from .controllers import BandGate, PaperGate
+from .loss import AGGREGATIONS
+from .selection import SELECTIONS, VARIANTS
+
+CONTROLLERS = ("paper", "band")
+SCOPES = ("global", "micro_batch")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    name: str
+    description: str = ""
+    # advantages and loss
+    std_norm: bool = True  # False: Dr.GRPO advantages
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    # DAPO reward-side settings
+    dynamic_sampling: bool = False
+    max_gen_rounds: int = 10  # dynamic sampling: generation rounds per step before giving up
+    overlong_shaping: bool = False
+    overlong_buffer_len: int = 4096
+    overlong_penalty: float = 1.0
+    # STARE (ignored unless stare is True)
+    stare: bool = False
+    selection: str = "quantile"
+    variant: str = "O1"
+    top_ratio: float = 0.1
+    w: float = 1.1
+    m: float = 0.9
+    damp: float = 1.0
+    phi_cap: float | None = None
+    scope: str = "global"  # global: one selection over the step's batch; micro_batch: the reference's rule
+    controller: str = "paper"
+    target_entropy: float = 0.3
+    adaptive: bool = False
+    alpha: float = 0.01
+    w_max: float = 1.5
+    m_min: float = 0.5
+    band_low: float = 0.3
+    band_high: float = 0.45
+    band_target: float | None = None
+    gain: float = 1.0
+    two_sided: bool = False
+
+    def validate(self) -> "AlgoConfig":
+        check_range("clip_low", self.clip_low, 0, 1, high_open=True)
+        check_range("clip_high", self.clip_high, 0, None)
+        if self.dual_clip is not None:
+            check_range("dual_clip", self.dual_clip, 1, None, low_open=True)
+        check_choice("aggregation", self.agg, AGGREGATIONS)
+        check_range("max_gen_rounds", self.max_gen_rounds, 1, None)
+        check_range("overlong_buffer_len", self.overlong_buffer_len, 0, None)
+        check_range("overlong_penalty", self.overlong_penalty, 0, None)
+        check_choice("selection", self.selection, SELECTIONS)
+        check_choice("variant", self.variant, VARIANTS)
+        check_choice("scope", self.scope, SCOPES)
+        check_choice("controller", self.controller, CONTROLLERS)
+        check_range("top_ratio", self.top_ratio, 0, 1)
+        check_range("damp", self.damp, 0, None, low_open=True)
+        if self.phi_cap is not None:
+            check_range("phi_cap", self.phi_cap, 0, 1)
+        if self.stare:
+            self.make_controller()  # the controller validates W, M, target and band
+        return self
+
+    def make_controller(self) -> PaperGate | BandGate | None:
+        """The entropy controller these settings ask for (None for a baseline)."""
+        if not self.stare:
+            return None
+        if self.controller == "paper":
+            return PaperGate(self.target_entropy, self.w, self.m, adaptive=self.adaptive, alpha=self.alpha,
+                             w_max=self.w_max, m_min=self.m_min)
+        return BandGate(self.band_low, self.band_high, target=self.band_target, w=self.w, m=self.m,
+                        damp=self.damp, gain=self.gain, two_sided=self.two_sided)
+
+    def selection_kwargs(self) -> dict:
+        """Fixed keyword arguments for ``stare_token_weights`` (the controller supplies gate/W/M/damp)."""
+        return {"top_ratio": self.top_ratio, "variant": self.variant, "selection": self.selection,
+                "phi_cap": self.phi_cap}
+
+    @property
+    def needs_phi(self) -> bool:
+        return self.stare and (self.selection == "phi" or self.damp != 1.0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
+
+_DAPO_BASE = dict(clip_low=0.2, clip_high=0.28, dual_clip=10.0, agg="token-mean", dynamic_sampling=True)
+
+ALGORITHMS: dict[str, AlgoConfig] = {
+    cfg.name: cfg
+    for cfg in (
+        AlgoConfig("grpo", "GRPO: group-normalised advantages, symmetric clip 0.2, seq-mean-token-mean",
+                   clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"),
+        AlgoConfig("dr-grpo", "Dr.GRPO: no std normalisation, sequence sums over a constant length",
+                   std_norm=False, clip_low=0.2, clip_high=0.2, agg="seq-mean-token-sum-norm"),
+        AlgoConfig("dapo", "DAPO: clip-higher 0.2/0.28, dual clip 10, token-mean, dynamic sampling, overlong shaping",
+                   overlong_shaping=True, **_DAPO_BASE),
+        AlgoConfig("stare", "STARE O1 as published: DAPO-style base without overlong shaping, W 1.1 on the top 10% "
+                   "surprisal A>0 tokens while entropy < 0.3", stare=True, **_DAPO_BASE),
+        AlgoConfig("stare-c2", "STARE C2 as published: also M 0.9 on the top 10% surprisal A<0 tokens",
+                   stare=True, variant="C2", **_DAPO_BASE),
+        AlgoConfig("stare-phi", "This project's variant: exact Phi-sign selection (C2), majority damping, band gate "
+                   "0.30-0.45", stare=True, selection="phi", variant="C2", w=1.5, m=0.5, damp=0.5,
+                   controller="band", band_low=0.3, band_high=0.45, **_DAPO_BASE),
+    )
+}
+
+
+def get_algorithm(name: str, **overrides) -> AlgoConfig:
+    """The named algorithm's settings with ``overrides`` applied, validated.
+
+    Raises ``ValueError`` naming an unknown algorithm or setting and listing the valid ones.
+    """
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    unknown = [k for k in overrides if k not in SETTING_NAMES]
+    if unknown:
+        raise ValueError(f"unknown algorithm setting {unknown[0]!r}; valid settings: {', '.join(SETTING_NAMES)}")
+    return replace(ALGORITHMS[name], **overrides).validate()

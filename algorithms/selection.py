@@ -1,0 +1,233 @@
+"""STARE's token selection and weights.
+
+The paper's rule (``selection="quantile"``), over the response tokens passed in (the whole step's batch):
+
+    T+ = tokens with A > 0, T- = tokens with A < 0 (A = 0 is never reweighted)
+    L+ = the ceil(P |T+|) tokens of T+ with the highest surprisal s = -logp (at least 1), L- likewise in T-
+    O1: weight W on L+;  C2: also weight M on L-;  every other token keeps weight 1
+
+"Top k" is a threshold: the k-th largest surprisal in the set, every token at or above it selected (exact
+ties at the threshold are all selected, so the choice never depends on token order or layout).
+
+The exact rule (``selection="phi"``, section 6 of docs/stare-algorithm.md) selects by the sign of the
+first-order entropy sensitivity instead: L+ = A > 0 and Phi > 0 (they raise entropy), L- = A < 0 and
+Phi > 0 (they lower it), optionally capped to the top ``phi_cap`` share by Phi; ``damp`` weights the
+entropy-lowering majority (A > 0, Phi < 0). ``direction=-1`` mirrors everything (the ranking key is
+negated) for a two-sided controller that pushes entropy down.
+
+Selection is a once-per-step operation: it reads counts on the host to size the top-k, which is one small
+synchronisation per step, not per micro-batch. With a torch.distributed ``group`` the thresholds are found
+exactly over all ranks' tokens by a radix select on the float bit patterns (four all-reduces of a
+256-bin histogram each), and each rank gets the weights of its own tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import broadcast_advantages, check_choice, check_finite, check_range, check_same_shape
+
+VARIANTS = ("O1", "C2")
+SELECTIONS = ("quantile", "phi")
+
+
+def top_count(ratio: float, n: int) -> int:
+    """ceil(ratio * n), at least 1 when ratio > 0 and n > 0; 0 when ratio is 0 (selection disabled).
+
+    The product is rounded to 9 decimals first so that 0.1 * 30 gives 3, not 4.
+    """
+    if n <= 0 or ratio <= 0:
+        return 0
+    return min(n, max(1, math.ceil(round(ratio * n, 9))))
+
+
+def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """Map float32 values to int64 keys in [0, 2^32) with the same order (for radix select)."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    # Negative floats: flip all magnitude bits so more negative sorts lower; then shift to non-negative.
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return keys + (1 << 31)
+
+
+def _key_to_float(key: int) -> float:
+    bits = key - (1 << 31)
+    if bits < 0:
+        bits ^= 0x7FFFFFFF
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32).item()
+
+
+def kth_largest(values: torch.Tensor, k: int, group=None) -> float:
+    """The k-th largest of ``values`` (1-D, float), over all ranks of ``group`` when given (exact).
+
+    ``k`` counts over the union of all ranks' values. Without a group this is one ``torch.kthvalue`` (no
+    size limit, unlike ``torch.quantile``); with one, a radix select on the float32 bit patterns.
+    """
+    values = values.reshape(-1)
+    if group is None:
+        n = values.numel()
+        if not 1 <= k <= n:
+            raise ValueError(f"k must be in [1, {n}], got {k}")
+        return float(torch.kthvalue(values.to(torch.float32), n - k + 1).values)
+    import torch.distributed as dist
+
+    keys = _ordered_keys(values)
+    prefix = 0  # the high bits of the answer found so far
+    remaining = k  # rank of the answer among candidates that share the prefix
+    for shift in (24, 16, 8, 0):
+        if shift == 24:
+            cand = keys
+        else:
+            cand = keys[(keys >> (shift + 8)) == (prefix >> (shift + 8))]
+        digits = (cand >> shift) & 0xFF
+        hist = torch.bincount(digits, minlength=256).to(torch.int64)
+        dist.all_reduce(hist, op=dist.ReduceOp.SUM, group=group)
+        counts = hist.flip(0).cumsum(0)  # counts[j] = candidates with digit >= 255 - j
+        total = int(counts[-1])
+        if not 1 <= remaining <= total:
+            raise ValueError(f"k must be in [1, {total}] over the group, got {k}")
+        j = int(torch.searchsorted(counts, torch.tensor(remaining, dtype=counts.dtype)))
+        digit = 255 - j
+        above = int(counts[j - 1]) if j > 0 else 0
+        remaining -= above
+        prefix |= digit << shift
+    return _key_to_float(prefix)
+
+
+def _global_count(flags: torch.Tensor, group) -> int:
+    count = flags.sum().to(torch.int64).reshape(1)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return int(count)
+
+
+def _top_share(key: torch.Tensor, members: torch.Tensor, ratio: float, group) -> torch.Tensor:
+    """Bool mask of ``members`` whose ``key`` is among the top ``ratio`` share (threshold, ties kept)."""
+    n = _global_count(members, group)
+    k = top_count(ratio, n)
+    if k == 0:
+        return torch.zeros_like(members)
+    if k == n:
+        return members
+    threshold = kth_largest(key[members].to(torch.float32), k, group)
+    return members & (key.to(torch.float32) >= threshold)
+
+
+def stare_token_weights(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    top_ratio: float = 0.1,
+    w: float = 1.1,
+    m: float = 0.9,
+    variant: str = "O1",
+    gate_on: bool = True,
+    selection: str = "quantile",
+    phi: torch.Tensor | None = None,
+    damp: float = 1.0,
+    group=None,
+    micro_batch_size: int | None = None,
+    phi_cap: float | None = None,
+    direction: int = 1,
+) -> torch.Tensor:
+    """Per-token STARE weights, shaped like ``logprobs`` (float32): 1 except on the selected tokens.
+
+    - ``logprobs``: detached log-probs of the sampled tokens (the old policy's, for the step's batch).
+    - ``advantages``: ``[B, T]`` or per-sequence ``[B]``; ``mask``: 1 on response tokens.
+    - ``top_ratio`` P, ``w`` W, ``m`` M, ``variant`` O1 | C2: the paper's rule. ``gate_on=False`` returns
+      all ones, so the loss is exactly the base loss.
+    - ``selection``: ``quantile`` (paper: top share by surprisal) | ``phi`` (exact sign of Phi; needs
+      ``phi``, optionally ``phi_cap`` to keep only the top share by Phi).
+    - ``damp``: weight on A > 0, Phi < 0 tokens (the entropy-lowering majority; needs ``phi``).
+    - ``group``: torch.distributed process group; selection is then exact over all ranks' tokens.
+    - ``micro_batch_size``: the reference's per-micro-batch rule: apply the selection separately to each
+      consecutive block of that many sequences (so it depends on the split). ``None`` (default): one
+      selection over everything passed in.
+    - ``direction``: +1 raises entropy (the paper), -1 mirrors the rule to lower it.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
+    check_same_shape("logprobs", logprobs, mask=mask, phi=phi)
+    advantages = broadcast_advantages(advantages, logprobs)
+    check_range("top_ratio", top_ratio, 0, 1)
+    check_range("w", w, 0, None, low_open=True)
+    check_range("m", m, 0, None, low_open=True)
+    check_range("damp", damp, 0, None, low_open=True)
+    check_choice("variant", variant, VARIANTS)
+    check_choice("selection", selection, SELECTIONS)
+    check_choice("direction", direction, (1, -1))
+    if phi_cap is not None:
+        check_range("phi_cap", phi_cap, 0, 1)
+    if selection == "phi" and phi is None:
+        raise ValueError("selection='phi' needs the phi tensor (from entropy_sensitivity)")
+    if damp != 1.0 and phi is None:
+        raise ValueError("damp != 1 needs the phi tensor (from entropy_sensitivity) to find the majority tokens")
+    if micro_batch_size is not None:
+        check_range("micro_batch_size", micro_batch_size, 1, None)
+        if group is not None:
+            raise ValueError("micro_batch_size (per-micro-batch selection) and group (global selection) exclude each other")
+
+    ones = torch.ones(logprobs.shape, dtype=torch.float32, device=logprobs.device)
+    if not gate_on:
+        return ones
+    valid = mask.bool()
+    check_finite(valid, logprobs=logprobs, advantages=advantages, phi=phi)
+
+    if micro_batch_size is not None and micro_batch_size < logprobs.shape[0]:
+        kwargs = dict(top_ratio=top_ratio, w=w, m=m, variant=variant, selection=selection, damp=damp,
+                      phi_cap=phi_cap, direction=direction)
+        parts = []
+        for start in range(0, logprobs.shape[0], micro_batch_size):
+            rows = slice(start, start + micro_batch_size)
+            parts.append(stare_token_weights(
+                logprobs[rows], advantages[rows], mask[rows],
+                phi=None if phi is None else phi[rows], **kwargs))
+        return torch.cat(parts, dim=0)
+
+    pos = valid & (advantages > 0)
+    neg = valid & (advantages < 0)
+    weights = ones
+    if selection == "quantile":
+        key = -logprobs.detach().to(torch.float32) * direction  # surprisal (negated to mirror)
+        l_pos = _top_share(key, pos, top_ratio, group)
+        l_neg = _top_share(key, neg, top_ratio, group) if variant == "C2" else None
+    else:
+        signed_phi = phi.detach().to(torch.float32) * direction
+        raising = signed_phi > 0
+        l_pos = pos & raising
+        l_neg = (neg & raising) if variant == "C2" else None
+        if phi_cap is not None:
+            l_pos = _top_share(signed_phi, l_pos, phi_cap, group)
+            if l_neg is not None:
+                l_neg = _top_share(signed_phi, l_neg, phi_cap, group)
+    weights = torch.where(l_pos, torch.full_like(weights, w), weights)
+    if l_neg is not None:
+        weights = torch.where(l_neg, torch.full_like(weights, m), weights)
+    if damp != 1.0:
+        lowering_majority = pos & (phi.detach().to(torch.float32) * direction < 0)
+        weights = torch.where(lowering_majority, torch.full_like(weights, damp), weights)
+    return weights
+
+
+def reweight_stats(weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Telemetry of a weight tensor: share of A > 0 (A < 0) tokens whose weight is not 1, and the mean weight.
+
+    Keys match the reference's logs: ``positive_reweight_ratio``, ``negative_reweight_ratio``, ``mean_weight``.
+    """
+    advantages = broadcast_advantages(advantages, weights)
+    valid = mask.bool()
+    changed = weights != 1.0
+    pos = valid & (advantages > 0)
+    neg = valid & (advantages < 0)
+
+    def share(sel: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
+        return (sel & of).to(torch.float32).sum() / of.to(torch.float32).sum().clamp(min=1.0)
+
+    return {
+        "positive_reweight_ratio": share(changed, pos),
+        "negative_reweight_ratio": share(changed, neg),
+        "mean_weight": (weights.to(torch.float32) * valid).sum() / valid.to(torch.float32).sum().clamp(min=1.0),
+    }

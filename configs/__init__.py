@@ -1,0 +1,1 @@
+"""Preset YAML files, shipped as package data (read with importlib.resources)."""

@@ -1,0 +1,1 @@
+"""stare.cli: the ``stare`` command line (parse, validate, call)."""

@@ -1,0 +1,162 @@
+"""Presets: YAML files in ``configs/`` (package ``stare.configs``), validated on load, and ``--set`` overrides.
+
+A preset file holds:
+
+    name: <file stem>
+    description: <one line>
+    backend: local | openrlhf
+    settings: {key: value, ...}          # the run's settings; each can be overridden with --set key=value
+    algorithms: {algo: {setting: value}} # per-algorithm overrides on top of the registry
+
+``--set`` accepts a preset setting or an algorithm setting (``stare algos --settings`` lists those). Values
+are parsed as YAML scalars and must have the type of the value they replace.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field, fields
+from importlib import resources
+
+import yaml
+
+from stare.algorithms import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
+
+BACKENDS = ("local", "openrlhf")
+REQUIRED = {"name": str, "description": str, "backend": str, "settings": dict}
+
+
+class PresetError(ValueError):
+    """A preset, algorithm or override the user named is not valid (the CLI exits with code 2)."""
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    backend: str
+    settings: dict
+    algorithms: dict = field(default_factory=dict)
+
+
+def preset_names() -> list[str]:
+    files = resources.files("stare.configs")
+    return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset(name: str) -> Preset:
+    names = preset_names()
+    if name not in names:
+        raise PresetError(f"unknown preset {name!r}; valid presets: {', '.join(names)}")
+    text = resources.files("stare.configs").joinpath(f"{name}.yaml").read_text()
+    return parse_preset(text, source=f"{name}.yaml", expected_name=name)
+
+
+def parse_preset(text: str, *, source: str, expected_name: str | None = None) -> Preset:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PresetError(f"preset {source} is not valid YAML: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
+    for key, typ in REQUIRED.items():
+        if key not in data:
+            raise PresetError(f"preset {source} is missing the field {key!r}")
+        if not isinstance(data[key], typ):
+            raise PresetError(f"preset {source}: field {key!r} must be a {typ.__name__}, got {type(data[key]).__name__}")
+    unknown = sorted(set(data) - set(REQUIRED) - {"algorithms"})
+    if unknown:
+        raise PresetError(f"preset {source} has unknown field {unknown[0]!r}; valid fields: "
+                          f"{', '.join([*REQUIRED, 'algorithms'])}")
+    if expected_name is not None and data["name"] != expected_name:
+        raise PresetError(f"preset {source} names itself {data['name']!r}; the name must match the file name")
+    if data["backend"] not in BACKENDS:
+        raise PresetError(f"preset {source}: unknown backend {data['backend']!r}; valid backends: {', '.join(BACKENDS)}")
+    shadowed = sorted(set(data["settings"]) & set(SETTING_NAMES))
+    if shadowed:
+        raise PresetError(f"preset {source}: setting {shadowed[0]!r} is an algorithm setting; put it under 'algorithms'")
+    algos = data.get("algorithms") or {}
+    if not isinstance(algos, dict):
+        raise PresetError(f"preset {source}: field 'algorithms' must be a mapping of algorithm name to settings")
+    for algo, overrides in algos.items():
+        if algo not in ALGORITHMS:
+            raise PresetError(f"preset {source}: unknown algorithm {algo!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        if not isinstance(overrides, dict):
+            raise PresetError(f"preset {source}: algorithms.{algo} must be a mapping of settings")
+        try:
+            get_algorithm(algo, **overrides)
+        except (ValueError, TypeError) as exc:
+            raise PresetError(f"preset {source}: algorithms.{algo}: {exc}") from None
+    return Preset(data["name"], data["description"], data["backend"], dict(data["settings"]), dict(algos))
+
+
+def _algo_field_types() -> dict[str, str]:
+    hints = typing.get_type_hints(AlgoConfig)
+    return {f.name: str(hints[f.name]) for f in fields(AlgoConfig)}
+
+
+def _coerce(key: str, raw: str, current, annotation: str | None):
+    """Parse ``raw`` as a YAML scalar and check it against the type of ``current`` (or the annotation)."""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    want: tuple[type, ...]
+    if isinstance(current, bool) or (annotation and annotation == "<class 'bool'>"):
+        want = (bool,)
+    elif isinstance(current, int) or (annotation and "int" in annotation and "float" not in annotation):
+        want = (int,)
+    elif isinstance(current, float) or (annotation and "float" in annotation):
+        want = (int, float)
+    elif isinstance(current, str) or (annotation and "str" in annotation):
+        want = (str,)
+        if not isinstance(value, str):
+            value = raw  # "--set model=123" means the string 123
+    else:
+        return value
+    nullable = annotation is not None and "None" in annotation
+    if isinstance(value, str) and float in want:
+        try:  # PyYAML reads "1e-6" (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) and bool not in want or not isinstance(value, want):
+        names = " or ".join(t.__name__ for t in want) + (" or null" if nullable else "")
+        raise PresetError(f"--set {key}={raw}: expected {names}, got {type(value).__name__}")
+    return float(value) if float in want and not isinstance(value, bool) else value
+
+
+def parse_sets(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise PresetError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), raw))
+    return out
+
+
+def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
+    """The fully resolved settings of one run: preset settings + algorithm (registry, preset, --set)."""
+    preset = load_preset(preset_name)
+    if algo not in ALGORITHMS:
+        raise PresetError(f"unknown algorithm {algo!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    settings = dict(preset.settings)
+    algo_over = dict(preset.algorithms.get(algo, {}))
+    base = ALGORITHMS[algo]
+    annotations = _algo_field_types()
+    for key, raw in parse_sets(sets or []):
+        if key in settings:
+            settings[key] = _coerce(key, raw, settings[key], None)
+        elif key in SETTING_NAMES:
+            current = algo_over.get(key, getattr(base, key))
+            algo_over[key] = _coerce(key, raw, current, annotations[key])
+        else:
+            valid = sorted(settings) + list(SETTING_NAMES)
+            raise PresetError(f"unknown --set key {key!r}; valid keys: {', '.join(valid)}")
+    try:
+        algo_cfg = get_algorithm(algo, **algo_over)
+    except ValueError as exc:
+        raise PresetError(str(exc)) from None
+    return {"preset": preset.name, "backend": preset.backend, "algo": algo_cfg.to_dict(), "settings": settings}
