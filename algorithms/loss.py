@@ -80,9 +80,11 @@ def policy_loss(
         where = mask.bool()
         check_finite(where, logprobs=logprobs.detach(), old_logprobs=old_logprobs, advantages=advantages, weights=weights)
 
+    valid = mask.bool()
     mask_f = mask.to(logprobs.dtype)
-    advantages = advantages.to(logprobs.dtype)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # Padding may hold anything (even NaN): select, never multiply, so it cannot leak into loss or gradient.
+    advantages = torch.where(valid, advantages.to(logprobs.dtype), 0.0)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -95,7 +97,7 @@ def policy_loss(
     else:
         dual_hit = torch.zeros_like(neg)
     if weights is not None:
-        token_loss = token_loss * weights.to(token_loss.dtype)
+        token_loss = token_loss * torch.where(valid, weights.to(token_loss.dtype), 0.0)
 
     if num_tokens is None:
         num_tokens = mask_f.sum()
@@ -122,6 +124,7 @@ def policy_loss(
             "clip_frac_high": frac((advantages > 0) & (r > 1.0 + clip_high)),
             "dual_clip_frac": frac(dual_hit),
             "approx_kl": ((r - 1.0 - log_ratio.detach()) * mask_f).sum() / denom,
-            "weight_mean": (mask_f.sum() if weights is None else (weights.detach().to(mask_f.dtype) * mask_f).sum()) / denom,
+            "weight_mean": (mask_f.sum() if weights is None
+                            else torch.where(valid, weights.detach().to(mask_f.dtype), 0.0).sum()) / denom,
         }
     return loss, metrics

@@ -1,0 +1,95 @@
+"""Controllers on scripted entropy sequences, state round-trips, parameter validation."""
+import pytest
+
+from stare.algorithms import BandGate, PaperGate
+
+
+def test_paper_gate_binary():
+    gate = PaperGate(target_entropy=0.3)
+    seq = [0.5, 0.29, 0.3, 0.1, 0.31]
+    assert [gate.update(h).gate_on for h in seq] == [False, True, False, True, False]
+    assert gate.last.w == 1.1 and gate.last.m == 0.9  # fixed weights when not adaptive
+
+
+def test_paper_gate_adaptive_sequence_by_hand():
+    gate = PaperGate(0.3, w=1.1, m=0.9, adaptive=True, alpha=0.1, w_max=1.3, m_min=0.75)
+    # H above target: W down towards 1, M up towards 1; below: W up to w_max, M down to m_min; equal: no move
+    seq = [0.5, 0.5, 0.2, 0.2, 0.2, 0.2, 0.3, 0.9]
+    expected_w = [1.0, 1.0, 1.1, 1.2, 1.3, 1.3, 1.3, 1.2]
+    expected_m = [1.0, 1.0, 0.9, 0.8, 0.75, 0.75, 0.75, 0.85]
+    states = [gate.update(h) for h in seq]
+    assert [s.w for s in states] == pytest.approx(expected_w)
+    assert [s.m for s in states] == pytest.approx(expected_m)
+    assert [s.gate_on for s in states] == [False, False, True, True, True, True, False, False]
+
+
+def test_band_gate_sequence_by_hand():
+    gate = BandGate(0.3, 0.45, w=1.5, m=0.5, damp=0.5)  # target defaults to the middle, 0.375
+    assert gate.target == pytest.approx(0.375)
+    cases = {  # H: (strength, gate_on)
+        0.5: (0.0, False),     # above the band, one-sided: off
+        0.4: (0.0, False),     # dead zone
+        0.375: (0.0, False),   # at the target: nothing to do
+        0.3375: (0.5, True),   # half-way between target and low
+        0.3: (1.0, True),      # at low: full strength
+        0.05: (1.0, True),     # below: capped at full strength
+    }
+    for h, (s, on) in cases.items():
+        st = gate.update(h)
+        assert st.strength == pytest.approx(s) and st.gate_on == on and st.direction == 1
+        assert st.w == pytest.approx(1 + s * 0.5) and st.m == pytest.approx(1 - s * 0.5)
+        assert st.damp == pytest.approx(1 - s * 0.5)
+    two = BandGate(0.3, 0.45, target=0.4, two_sided=True, gain=2.0)
+    st = two.update(0.475)  # excess 0.025 over a span of 0.05, gain 2 -> 1.0
+    assert st.direction == -1 and st.strength == pytest.approx(1.0) and st.gate_on
+    st = two.update(0.4625)
+    assert st.direction == -1 and st.strength == pytest.approx(0.5)
+    st = two.update(0.375)  # shortfall 0.025 over a span of 0.1, gain 2 -> 0.5
+    assert st.direction == 1 and st.strength == pytest.approx(0.5)
+    kwargs = st.weight_kwargs()
+    assert set(kwargs) == {"gate_on", "w", "m", "damp", "direction"}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PaperGate(0.3, adaptive=True, alpha=0.05),
+    lambda: BandGate(0.2, 0.5, two_sided=True),
+])
+def test_state_round_trip_resumes_identically(make):
+    seq = [0.6, 0.25, 0.1, 0.35, 0.45, 0.7, 0.2, 0.15, 0.5, 0.28]
+    straight = make()
+    expected = [straight.update(h) for h in seq]
+    first = make()
+    for h in seq[:4]:
+        first.update(h)
+    saved = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(saved)
+    assert resumed.last == expected[3]
+    assert [resumed.update(h) for h in seq[4:]] == expected[4:]
+    assert resumed.steps == len(seq)
+
+
+def test_state_of_another_kind_is_refused():
+    with pytest.raises(ValueError, match="kind 'band'"):
+        PaperGate().load_state_dict(BandGate().state_dict())
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: PaperGate(target_entropy=0.0), "target_entropy must be in \\(0"),
+    (lambda: PaperGate(w=0.0), "w must be in \\(0"),
+    (lambda: PaperGate(m=-0.5), "m must be in \\(0"),
+    (lambda: PaperGate(adaptive=True, w=2.0, w_max=1.5), "w must be in \\[1, 1.5\\]"),
+    (lambda: BandGate(0.5, 0.3), "band low must be <= band high"),
+    (lambda: BandGate(0.0, 0.3), "band low must be in \\(0"),
+    (lambda: BandGate(0.3, 0.4, target=0.5), "target must be in \\[0.3, 0.4\\]"),
+    (lambda: BandGate(m=1.5), "m must be in \\(0, 1\\]"),
+])
+def test_bad_parameters(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_bad_entropy_values():
+    for bad in (float("nan"), float("inf"), -0.1):
+        with pytest.raises(ValueError, match="batch_entropy"):
+            PaperGate().update(bad)
