@@ -5,9 +5,10 @@ optional adaptive W/M that take a step of ``alpha`` towards stronger (weaker) re
 entropy is below (above) the target.
 
 ``BandGate`` is this project's controller for a target band [low, high]. Below ``target`` (default: the
-band's middle) the gate is on with a strength that grows in proportion to the shortfall, reaching full
-strength at ``low``; between ``target`` and ``high`` nothing happens (dead zone); above ``high`` it is off,
-or with ``two_sided`` it pushes entropy down with a strength that grows with the excess. Strength s scales
+band's top, ``high``) the gate is on with a strength that grows in proportion to the shortfall, reaching full
+strength at ``low``; above ``target`` nothing happens (dead zone) up to ``high``; above ``high`` it is off,
+or with ``two_sided`` it pushes entropy down with a strength that grows with the excess. (On the tiny CPU
+task a target in the band's middle let entropy settle just below ``low``: the push fades before the band.) Strength s scales
 how far the weights move from 1: W_eff = 1 + s (W - 1), M_eff = 1 - s (1 - M), damp_eff = 1 - s (1 - damp).
 
 Both keep their state in ``state_dict()`` so a resumed run takes the same decisions.
@@ -126,7 +127,7 @@ class BandGate:
         check_range("band high", high, 0, None, low_open=True)
         if low > high:
             raise ValueError(f"band low must be <= band high, got low={low!r} > high={high!r}")
-        target = (low + high) / 2 if target is None else target
+        target = high if target is None else target
         check_range("target", target, low, high)
         check_range("w", w, 1, None)
         check_range("m", m, 0, 1, low_open=True)

@@ -115,8 +115,9 @@ ALGORITHMS: dict[str, AlgoConfig] = {
                    "surprisal A>0 tokens while entropy < 0.3", stare=True, **_DAPO_BASE),
         AlgoConfig("stare-c2", "STARE C2 as published: also M 0.9 on the top 10% surprisal A<0 tokens",
                    stare=True, variant="C2", **_DAPO_BASE),
-        AlgoConfig("stare-phi", "This project's variant: exact Phi-sign selection (C2), majority damping, band gate "
-                   "0.30-0.45", stare=True, selection="phi", variant="C2", w=1.5, m=0.5, damp=0.5,
+        AlgoConfig("stare-phi", "This project's variant: exact Phi-sign selection (C2: W 2 / M 0.05), majority "
+                   "damping 0.2, band gate 0.30-0.45", stare=True, selection="phi", variant="C2", w=2.0, m=0.05,
+                   damp=0.2,
                    controller="band", band_low=0.3, band_high=0.45, **_DAPO_BASE),
     )
 }

@@ -1,5 +1,8 @@
-"""stare.eval: benchmark evaluation (avg@k with math-verify scoring).
+"""stare.eval: benchmark evaluation (avg@k, pass@k).
 
-The harness itself (``stare eval``) is tracked in its own issue; this package exists so that the
-``stare`` namespace layout is complete from the start.
+The benchmark harness (``stare eval``) is tracked in its own issue; the metrics below are shared with the
+local engine's held-out evaluation.
 """
+from .metrics import pass_at_k
+
+__all__ = ["pass_at_k"]

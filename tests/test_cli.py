@@ -68,7 +68,7 @@ def test_train_dry_run_resolves_overrides():
 
 
 def test_train_without_engine_says_so():
-    res = run_stare("train", "--preset", "tiny-cpu")
+    res = run_stare("train", "--preset", "qwen-7b-short-cot")
     assert res.returncode == 1 and "--dry-run" in res.stderr and "Traceback" not in res.stderr
 
 

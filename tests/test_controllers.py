@@ -24,8 +24,8 @@ def test_paper_gate_adaptive_sequence_by_hand():
 
 
 def test_band_gate_sequence_by_hand():
-    gate = BandGate(0.3, 0.45, w=1.5, m=0.5, damp=0.5)  # target defaults to the middle, 0.375
-    assert gate.target == pytest.approx(0.375)
+    assert BandGate(0.3, 0.45).target == 0.45  # the default target is the top of the band
+    gate = BandGate(0.3, 0.45, target=0.375, w=1.5, m=0.5, damp=0.5)
     cases = {  # H: (strength, gate_on)
         0.5: (0.0, False),     # above the band, one-sided: off
         0.4: (0.0, False),     # dead zone
