@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -92,6 +93,33 @@ def algos(
         console.print("settings (override with --set key=value): " + ", ".join(SETTING_NAMES))
 
 
+def _parse_algos(text: str) -> list[str]:
+    algos = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in ALGORITHMS]
+    if unknown or not algos:
+        fail(f"unknown algorithm {unknown[0] if unknown else text!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    if len(set(algos)) != len(algos):
+        fail(f"--algos lists an algorithm twice: {text!r}")
+    return algos
+
+
+def _resolve_or_fail(preset: str, algo: str, sets: list[str]) -> dict:
+    try:
+        return resolve(preset, algo, sets)
+    except PresetError as exc:
+        fail(str(exc))
+
+
+def _print_eval(console_: Console, result: dict) -> None:
+    k = result["k"]
+    line = (f"held-out avg@{k} {result[f'avg_at_{k}']:.3f}  pass@{k} {result[f'pass_at_{k}']:.3f}  "
+            f"greedy {result['greedy_accuracy']:.3f}")
+    if result.get("hard"):
+        h = result["hard"]
+        line += f"  |  hard cases: avg@{k} {h[f'avg_at_{k}']:.3f} pass@{k} {h[f'pass_at_{k}']:.3f}"
+    console_.print(line)
+
+
 @app.command()
 def train(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name (see `stare presets`)."),
@@ -99,27 +127,101 @@ def train(
     set_: Optional[List[str]] = typer.Option(
         None, "--set", help="Override a preset or algorithm setting, e.g. --set w=1.5 --set steps=50. Repeatable."
     ),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: runs/PRESET-ALGO)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved settings as JSON and exit."),
 ) -> None:
-    """Train one arm: a preset (model, data, engine) with one algorithm.
+    """Train one arm: a preset (model, data, engine) with one algorithm, then evaluate it.
 
-    Every setting is validated before anything starts. --dry-run prints the resolved settings.
+    Every setting is validated before anything starts. A killed run continues with --resume and ends with
+    the same metrics as an uninterrupted one. The run directory gets config.yaml, metrics.jsonl (one line per
+    step), checkpoint/ (model, optimizer, controller and RNG state), final/ and eval.json.
     """
-    try:
-        resolved = resolve(preset, algo, set_ or [])
-    except PresetError as exc:
-        fail(str(exc))
-    if out is not None:
-        resolved["out"] = out
+    resolved = _resolve_or_fail(preset, algo, set_ or [])
     if dry_run:
+        if out is not None:
+            resolved["out"] = str(out)
         sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
         return
-    fail(
-        f"the {resolved['backend']!r} training engine is not part of this build yet; "
-        "use --dry-run to check the resolved settings",
-        code=1,
-    )
+    if resolved["backend"] != "local":
+        fail(f"the {resolved['backend']!r} training engine is not part of this build yet; "
+             "use --dry-run to check the resolved settings", code=1)
+    from .local.runner import _quiet
+    from .local.trainer import RunDirError, prepare_run_dir
+
+    out = out or Path("runs") / f"{preset}-{algo}"
+    try:
+        prepare_run_dir(out, resolved, resume)
+    except RunDirError as exc:
+        fail(str(exc))
+    _quiet()
+    from rich.progress import Progress
+
+    from .local.trainer import LocalTrainer
+
+    trainer = LocalTrainer(resolved, out)
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"])
+
+        def on_step(step, steps, rec):
+            progress.update(task, completed=step)
+
+        result = trainer.run(resume=resume, on_step=on_step)
+    _print_eval(console, result)
+    console.print(f"run directory: {out}")
+
+
+@app.command()
+def run(
+    preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A local preset (see `stare presets`)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: runs/PRESET)."),
+    algos: Optional[str] = typer.Option(None, "--algos", help="Comma-separated arms (default: the preset's list)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", min=1, help="Seeds per arm (default: the preset's)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a setting for every arm. Repeatable."),
+    parallel: int = typer.Option(2, "--parallel", min=1, help="Arms trained at a time (one CPU thread each)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: finished arms are kept."),
+) -> None:
+    """Train every arm (GRPO, DAPO, STARE, ...) on a local preset, evaluate them, compare, plot.
+
+    Writes DIR/<arm>/ per arm (DIR/<arm>/seed<S>/ with several seeds), DIR/comparison.md and .csv, and
+    DIR/entropy.png, reward.png, response_length.png.
+    """
+    try:
+        p = load_preset(preset)
+    except PresetError as exc:
+        fail(str(exc))
+    if p.backend != "local":
+        fail(f"stare run trains local presets only; {preset!r} is a {p.backend!r} preset (use stare train)")
+    arm_names = _parse_algos(algos or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
+    n_seeds = seeds or int(p.settings.get("seeds", 1))
+    resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
+    out = out or Path("runs") / preset
+    marker = out / "run.yaml"
+    import yaml
+
+    if marker.exists():
+        old = yaml.safe_load(marker.read_text()) or {}
+        if old.get("preset") != preset:
+            fail(f"{out} holds a run of preset {old.get('preset')!r}; use another --out (nothing was changed)")
+    elif out.exists() and any(out.iterdir()):
+        fail(f"{out} is not empty and holds no stare run; use another --out (nothing was changed)")
+    from .local.report import plot_curves, load_run, write_comparison
+    from .local.runner import run_arms
+    from .local.trainer import RunDirError
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not marker.exists():
+        marker.write_text(yaml.safe_dump({"preset": preset, "algos": arm_names, "seeds": n_seeds}))
+    console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {out}")
+    try:
+        dirs = run_arms(resolved, out, seeds=n_seeds, resume=resume, parallel=parallel, console=console)
+    except RunDirError as exc:
+        fail(str(exc))
+    runs = [load_run(d) for d in dirs]
+    write_comparison(out, runs)
+    plot_curves(out, runs)
+    console.print((out / "comparison.md").read_text(), markup=False, highlight=False)
+    console.print(f"wrote {out}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
 
 
 def main() -> None:

@@ -1,0 +1,43 @@
+"""Held-out evaluation of a local policy: avg@k, pass@k and greedy accuracy (overall and on hard cases)."""
+from __future__ import annotations
+
+import torch
+
+from stare.eval import pass_at_k
+
+from .policy import encode_prompts, sample
+from .tasks import Task
+
+
+@torch.no_grad()
+def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, seed: int, max_new_tokens: int,
+                    temperature: float = 1.0, chat: bool = False, batch_prompts: int = 64) -> dict:
+    problems = task.problems(n_problems, seed=seed, split="test")
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    correct, greedy = [], []
+    for start in range(0, len(problems), batch_prompts):
+        batch = problems[start:start + batch_prompts]
+        ids, attn = encode_prompts(tokenizer, [p.prompt for p in batch], chat=chat)
+        g = sample(model, tokenizer, ids, attn, max_new_tokens=max_new_tokens, greedy=True)
+        greedy += [task.reward(p, t) for p, t in zip(batch, g.texts)]
+        r = sample(model, tokenizer, ids.repeat_interleave(k, 0), attn.repeat_interleave(k, 0),
+                   max_new_tokens=max_new_tokens, temperature=temperature, generator=gen)
+        for i, p in enumerate(batch):
+            correct.append([task.reward(p, t) for t in r.texts[i * k:(i + 1) * k]])
+
+    def summarise(rows: list[int]) -> dict:
+        if not rows:
+            return {}
+        return {
+            "n_problems": len(rows),
+            f"avg_at_{k}": sum(sum(correct[i]) / k for i in rows) / len(rows),
+            f"pass_at_{k}": sum(pass_at_k(k, int(sum(correct[i])), k) for i in rows) / len(rows),
+            "greedy_accuracy": sum(greedy[i] for i in rows) / len(rows),
+        }
+
+    out = {"k": k, "temperature": temperature, **summarise(list(range(len(problems))))}
+    hard = [i for i, p in enumerate(problems) if p.hard]
+    if hard:
+        out["hard"] = summarise(hard)
+        out["easy"] = summarise([i for i, p in enumerate(problems) if not p.hard])
+    return out

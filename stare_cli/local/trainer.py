@@ -1,0 +1,307 @@
+"""The local RL engine: one arm (one algorithm, one seed) trained in one process, on CPU or one GPU.
+
+Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin makes):
+
+1. sample G responses for each of the step's prompts and score them; with DAPO dynamic sampling, groups whose
+   rewards are all equal are dropped and more prompts sampled, up to ``max_gen_rounds`` rounds;
+2. ``group_advantages`` (plus DAPO's overlong penalty where the algorithm asks for it);
+3. one no-grad pass of the old policy: log-probs and ``entropy_sensitivity`` (entropy, surprisal, Phi);
+4. the controller's update, once, from the batch's mean token entropy;
+5. ``stare_token_weights`` once over the whole step's batch;
+6. ``mini_batches`` optimizer steps of ``policy_loss``, each accumulated over micro-batches with the
+   mini-batch's global token and sequence counts;
+7. one JSON line in ``metrics.jsonl``, and a checkpoint every ``save_every`` steps.
+
+A checkpoint holds the model, optimizer, controller and every RNG state, so a killed run resumed with
+``--resume`` ends with the same metrics as an uninterrupted one (CPU arithmetic is deterministic).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from stare.algorithms import (
+    AlgoConfig,
+    entropy_sensitivity,
+    group_advantages,
+    informative_groups,
+    masked_mean,
+    overlong_penalty,
+    policy_loss,
+    predicted_entropy_change,
+    quadrant_stats,
+    reweight_stats,
+    stare_token_weights,
+)
+
+from .evaluate import evaluate_policy
+from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
+from .tasks import get_task
+
+CHECKPOINT = "checkpoint"
+FINAL = "final"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (another run there, nothing to resume): exit code 2."""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
+    """Check, without touching anything, that ``run_dir`` can take this run.
+
+    Returns True when the directory already holds this run (to be resumed). Raises ``RunDirError`` for another
+    preset's or algorithm's run, a run started with other settings, an existing run without ``resume``,
+    ``resume`` with nothing to resume, or a non-empty folder that is not a stare run.
+    """
+    config = run_dir / "config.yaml"
+    if config.exists():
+        old = yaml.safe_load(config.read_text()) or {}
+        if old.get("preset") != resolved["preset"] or old.get("algo", {}).get("name") != resolved["algo"]["name"]:
+            raise RunDirError(
+                f"{run_dir} holds a run of preset {old.get('preset')!r} with algorithm "
+                f"{old.get('algo', {}).get('name')!r}; use another --out (nothing was changed)")
+        if not resume:
+            raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it or use another --out "
+                              "(nothing was changed)")
+        if old != resolved:
+            raise RunDirError(f"{run_dir} was started with other settings; resume it with the same --set values "
+                              "(see its config.yaml)")
+        return True
+    if resume:
+        raise RunDirError(f"nothing to resume in {run_dir}: no config.yaml there")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunDirError(f"{run_dir} is not empty and holds no stare run; use another --out (nothing was changed)")
+    return False
+
+
+def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
+    """``check_run_dir``, then create the directory and its ``config.yaml`` for a new run."""
+    existing = check_run_dir(run_dir, resolved, resume)
+    if not existing:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    return existing
+
+
+class LocalTrainer:
+    def __init__(self, resolved: dict, run_dir: Path, *, warmstart_dir: Path | None = None):
+        self.resolved = resolved
+        self.run_dir = Path(run_dir)
+        self.s = dict(resolved["settings"])
+        self.algo = AlgoConfig(**resolved["algo"])
+        self.task = get_task(self.s["task"])
+        self.chat = self.s.get("model", "tiny") != "tiny"
+        self.warmstart_dir = Path(warmstart_dir) if warmstart_dir else self.run_dir / "warmstart"
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+    def _initial_policy_dir(self) -> Path:
+        from .models import initial_policy
+
+        return initial_policy(self.s, self.task, self.warmstart_dir)
+
+    def _build(self, start_dir: Path) -> None:
+        self.model, self.tokenizer = load_policy(start_dir)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.s["lr"], weight_decay=0.0,
+                                     betas=(0.9, 0.99))
+        self.controller = self.algo.make_controller()
+        self.gen = torch.Generator().manual_seed(self.s["seed"])
+        self.py_rng = random.Random(f"rl:{self.s['seed']}")
+        self.pool = self.task.problems(self.s["train_problems"], seed=self.s["seed"], split="train")
+        self.step = 0
+
+    def _save(self) -> None:
+        tmp = self.run_dir / (CHECKPOINT + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save({
+            "step": self.step,
+            "optimizer": self.opt.state_dict(),
+            "controller": None if self.controller is None else self.controller.state_dict(),
+            "generator": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "py_rng": self.py_rng.getstate(),
+        }, tmp / "trainer_state.pt")
+        final = self.run_dir / CHECKPOINT
+        old = self.run_dir / (CHECKPOINT + ".old")
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+
+    def _restore(self) -> None:
+        ckpt = self.run_dir / CHECKPOINT
+        self._build(ckpt)
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        self.opt.load_state_dict(state["optimizer"])
+        if self.controller is not None:
+            self.controller.load_state_dict(state["controller"])
+        self.gen.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.py_rng.setstate(state["py_rng"])
+        self.step = state["step"]
+        # drop metrics written after the checkpoint: those steps run again
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            keep = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+            _atomic_write(metrics, "".join(ln + "\n" for ln in keep))
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def _rollout(self) -> tuple[Rollout, torch.Tensor, float, int]:
+        P, G = self.s["prompts_per_step"], self.s["samples_per_prompt"]
+        kept, kept_rewards, all_rewards = [], [], []
+        rounds = self.algo.max_gen_rounds if self.algo.dynamic_sampling else 1
+        for _ in range(rounds):
+            problems = self.py_rng.sample(self.pool, P)
+            ids, attn = encode_prompts(self.tokenizer, [p.prompt for p in problems], chat=self.chat)
+            self.model.eval()
+            r = sample(self.model, self.tokenizer, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0),
+                       max_new_tokens=self.s["max_new_tokens"], temperature=self.s["temperature"],
+                       generator=self.gen)
+            self.model.train()
+            rewards = torch.tensor([self.task.reward(problems[i // G], t) for i, t in enumerate(r.texts)]).view(P, G)
+            all_rewards.append(rewards)
+            if self.algo.dynamic_sampling:
+                keep = informative_groups(rewards).nonzero().squeeze(-1).tolist()
+            else:
+                keep = list(range(P))
+            for i in keep:
+                kept.append(r.select(list(range(i * G, (i + 1) * G))))
+                kept_rewards.append(rewards[i])
+            if len(kept) >= P:
+                break
+        mean_reward = float(torch.cat(all_rewards).mean())
+        if not kept:  # every group uninformative in every round: measure the last round, learn nothing
+            return r, None, mean_reward, len(all_rewards)
+        kept, kept_rewards = kept[:P], kept_rewards[:P]
+        batch = concat_rollouts(kept, self.tokenizer.pad_token_id)
+        return batch, torch.stack(kept_rewards), mean_reward, len(all_rewards)
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        G = self.s["samples_per_prompt"]
+        batch, rewards, reward_mean, rounds = self._rollout()
+        rec = {"step": self.step + 1, "reward_mean": reward_mean, "gen_rounds": rounds}
+        mask = batch.action_mask.float()
+        if rewards is None:  # no informative group: log the old policy's entropy, no update
+            with torch.no_grad():
+                h = entropy_sensitivity(response_logits(self.model, batch, self.s["temperature"]), batch.responses)
+            rec.update({"skipped": True, "entropy": float(masked_mean(h.entropy, mask)), "entropy_change": 0.0,
+                        "response_length": float(batch.action_mask.sum(-1).float().mean()), "batch_prompts": 0,
+                        "time_s": time.perf_counter() - t0})
+            return rec
+        lengths = batch.action_mask.sum(-1).float()
+        shaped = rewards.float()
+        if self.algo.overlong_shaping:
+            shaped = shaped + overlong_penalty(lengths, max_len=self.s["max_new_tokens"],
+                                               buffer_len=min(self.algo.overlong_buffer_len, self.s["max_new_tokens"]),
+                                               factor=self.algo.overlong_penalty).view_as(shaped)
+        adv = group_advantages(shaped, std_norm=self.algo.std_norm).reshape(-1)  # per sequence
+        actions = batch.responses
+        temp = self.s["temperature"]
+        with torch.no_grad():
+            logits = response_logits(self.model, batch, temp)
+            old_logprobs = token_logprobs(logits, actions)
+            stats = entropy_sensitivity(logits, actions)
+        del logits
+        entropy = float(masked_mean(stats.entropy, mask))
+        weights = None
+        if self.controller is not None:
+            state = self.controller.update(entropy)
+            weights = stare_token_weights(old_logprobs, adv, mask, phi=stats.phi, **self.algo.selection_kwargs(),
+                                          **state.weight_kwargs(),
+                                          micro_batch_size=self.s["micro_batch_size"] if self.algo.scope == "micro_batch" else None)
+            rec.update(state.as_metrics())
+            rec.update({f"stare/{k}": float(v) for k, v in reweight_stats(weights, adv, mask).items()})
+        rec.update({f"quadrant/{k}": float(v) for k, v in
+                    quadrant_stats(stats.surprisal, stats.entropy, adv, mask, phi=stats.phi).items()})
+        rec["entropy_forecast"] = float(predicted_entropy_change(stats.phi, adv, mask, weights=weights))
+
+        # updates: mini-batches (one optimizer step each), micro-batches accumulated with global counts
+        n = actions.shape[0]
+        order = torch.randperm(n, generator=self.gen)
+        mb_count = self.s["mini_batches"]
+        sums: dict[str, float] = {}
+        for mb in order.chunk(mb_count):
+            mb_mask = mask[mb]
+            n_tok, n_seq = mb_mask.sum(), len(mb)
+            self.opt.zero_grad(set_to_none=True)
+            for micro in mb.split(self.s["micro_batch_size"]):
+                sub = batch.select(micro)
+                lp = token_logprobs(response_logits(self.model, sub, temp), sub.responses)
+                loss, m = policy_loss(lp, old_logprobs[micro], adv[micro], mask[micro],
+                                      clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
+                                      dual_clip=self.algo.dual_clip, agg=self.algo.agg,
+                                      weights=None if weights is None else weights[micro],
+                                      num_tokens=n_tok, num_seqs=n_seq, norm_len=self.s["max_new_tokens"])
+                loss.backward()
+                for k, v in {"loss": loss.detach(), **m}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) / mb_count
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s["grad_clip"])
+            self.opt.step()
+        with torch.no_grad():
+            new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions).entropy
+        rec.update({
+            "entropy": entropy,
+            "entropy_change": float(masked_mean(new_entropy, mask)) - entropy,
+            "response_length": float(lengths.mean()),
+            "batch_prompts": n // G,
+            **sums,
+            "time_s": time.perf_counter() - t0,
+        })
+        return rec
+
+    # ---- the whole run --------------------------------------------------------------------------------------
+    def run(self, *, resume: bool = False, on_step=None) -> dict:
+        torch.set_num_threads(self.s.get("threads", 1))
+        if resume and (self.run_dir / CHECKPOINT / "trainer_state.pt").exists():
+            self._restore()
+        else:
+            self._build(self._initial_policy_dir())
+            (self.run_dir / "metrics.jsonl").write_text("")
+        steps = self.s["steps"]
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            while self.step < steps:
+                rec = self.train_step()
+                self.step += 1
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                if self.step % self.s["save_every"] == 0 or self.step == steps:
+                    self._save()
+                if on_step is not None:
+                    on_step(self.step, steps, rec)
+        return self.finish()
+
+    def finish(self) -> dict:
+        final = self.run_dir / FINAL
+        if final.exists():
+            shutil.rmtree(final)
+        shutil.copytree(self.run_dir / CHECKPOINT, final, ignore=shutil.ignore_patterns("trainer_state.pt"))
+        self.model.eval()
+        result = evaluate_policy(self.model, self.tokenizer, self.task, n_problems=self.s["eval_problems"],
+                                 k=self.s["eval_k"], seed=self.s["seed"], max_new_tokens=self.s["max_new_tokens"],
+                                 temperature=self.s["temperature"], chat=self.chat)
+        ws = self.warmstart_dir / "warmstart.json"
+        if ws.exists():
+            result["warmstart"] = json.loads(ws.read_text()).get("eval")
+        result["algo"] = self.algo.name
+        result["steps"] = self.step
+        _atomic_write(self.run_dir / "eval.json", json.dumps(result, indent=2))
+        return result
