@@ -1,0 +1,261 @@
+"""The local comparison report: numbers checked against hand computations on hand-written run directories."""
+import csv
+import json
+import math
+
+import pytest
+import yaml
+
+from stare.cli.local.report import load_run, permutation_test, plot_curves, summarise_arm, write_comparison
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(root, name, algo, seed, *, rewards, entropies, lengths=None, eval_=None, band=(0.3, 0.45),
+             extra=None, k=8):
+    """A run directory with one metrics line per step (step i+1 gets rewards[i], entropies[i], ...)."""
+    run = root / name
+    run.mkdir(parents=True)
+    config = {"preset": "tiny-cpu", "backend": "local",
+              "algo": {"name": algo, "stare": algo.startswith("stare"), "controller": "band",
+                       "target_entropy": 0.3, "band_low": band[0], "band_high": band[1]},
+              "settings": {"seed": seed, "steps": len(rewards), "task": "reverse", "eval_k": k}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    lines = []
+    for i, (r, h) in enumerate(zip(rewards, entropies)):
+        rec = {"step": i + 1, "reward_mean": r, "entropy": h,
+               "response_length": (lengths[i] if lengths else 8.0)}
+        rec.update((extra or {}).get(i + 1, {}))
+        rec = {key: v for key, v in rec.items() if v is not None}  # None: the key is left out of the line
+        lines.append(json.dumps(rec))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if eval_ is not None:
+        (run / "eval.json").write_text(json.dumps({"k": k, "algo": algo, "steps": len(rewards), **eval_}))
+    return run
+
+
+def held_out(avg, pas, greedy, hard=None, warmstart=None, k=8):
+    out = {f"avg_at_{k}": avg, f"pass_at_{k}": pas, "greedy_accuracy": greedy, "n_problems": 200,
+           "warmstart": warmstart}
+    if hard is not None:
+        out["hard"] = {f"avg_at_{k}": hard[0], f"pass_at_{k}": hard[1], "greedy_accuracy": 0.0, "n_problems": 50}
+    return out
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return {row["arm"]: row for row in csv.DictReader(f)}
+
+
+# 20 steps: final window = 2 steps (19, 20), late window = 5 steps (16..20), slope window = 10 steps (11..20)
+LINEAR_REWARDS = [0.2 + 0.001 * s for s in range(1, 21)]
+ENTROPIES = [0.8] + [0.6] * 14 + [0.2, 0.35, 0.4, 0.45, 0.5]
+
+
+def test_single_run_measures_by_hand(tmp_path):
+    run = make_run(tmp_path, "grpo", "grpo", 0, rewards=LINEAR_REWARDS, entropies=ENTROPIES,
+                   eval_=held_out(0.7, 0.9, 0.65))
+    summary = write_comparison(tmp_path / "out", [load_run(run)])
+    m = summary["arms"][0]["metrics"]
+    late = (0.2 + 0.35 + 0.4 + 0.45 + 0.5) / 5
+    assert m["final_reward"]["mean"] == pytest.approx((LINEAR_REWARDS[18] + LINEAR_REWARDS[19]) / 2)
+    assert m["late_reward_slope"]["mean"] == pytest.approx(0.1)  # 0.001 per step = 0.1 per 100 steps
+    assert m["start_entropy"]["mean"] == pytest.approx(0.8)
+    assert m["late_entropy"]["mean"] == pytest.approx(late)
+    assert m["late_start_ratio"]["mean"] == pytest.approx(late / 0.8)
+    assert m["band_share"]["mean"] == pytest.approx(3 / 5)  # 0.35, 0.4, 0.45 (edges count)
+    assert m["avg_at_k"]["mean"] == 0.7 and m["pass_at_k"]["mean"] == 0.9 and m["greedy_accuracy"]["mean"] == 0.65
+    assert m["final_reward"]["std"] is None and m["final_reward"]["n"] == 1  # one seed: no std
+    assert summary["k"] == 8 and summary["band"] == [0.3, 0.45] and summary["steps"] == 20
+
+    row = read_csv(tmp_path / "out" / "comparison.csv")["grpo"]
+    assert row["seeds"] == "1"
+    assert float(row["final_reward_mean"]) == pytest.approx(0.2195)
+    assert float(row["late_reward_slope_per_100_mean"]) == pytest.approx(0.1)
+    assert float(row["band_share_mean"]) == pytest.approx(0.6)
+    assert float(row["avg_at_8_mean"]) == 0.7 and float(row["pass_at_8_mean"]) == 0.9
+    assert row["final_reward_std"] == "" and row["avg_at_8_std"] == ""
+    assert "hard_pass_at_8_mean" not in row  # no hard cases in eval.json: no hard columns
+
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "preset tiny-cpu, task reverse, 20 steps, 1 seed(s) per arm, held-out k = 8" in md
+    assert "[0.30, 0.45]" in md and "avg@8" in md and "| grpo | 1 | 0.220 | 0.700 | 0.900 |" in md
+    assert json.loads((tmp_path / "out" / "comparison.json").read_text()) == summary
+
+
+def test_missing_keys_are_absent_not_zero(tmp_path):
+    # step 20 skipped without reward_mean or entropy; step 1 has no response_length
+    run = make_run(tmp_path, "dapo", "dapo", 0, rewards=LINEAR_REWARDS[:19] + [None],
+                   entropies=ENTROPIES[:19] + [None], extra={20: {"skipped": True}, 1: {"response_length": None}})
+    m = summarise_arm([load_run(run)])["metrics"]
+    assert m["final_reward"]["mean"] == pytest.approx(LINEAR_REWARDS[18])  # the window's one logged reward
+    assert m["late_entropy"]["mean"] == pytest.approx((0.2 + 0.35 + 0.4 + 0.45) / 4)
+    assert m["band_share"]["mean"] == pytest.approx(3 / 4)
+    assert m["late_reward_slope"]["mean"] == pytest.approx(0.1)
+    for name in ("avg_at_k", "pass_at_k", "greedy_accuracy", "hard_pass_at_k"):
+        assert m[name] == {"mean": None, "std": None, "n": 0}
+
+
+def test_missing_eval_gives_blanks_and_a_note(tmp_path):
+    a = make_run(tmp_path, "grpo", "grpo", 0, rewards=LINEAR_REWARDS, entropies=ENTROPIES,
+                 eval_=held_out(0.7, 0.9, 0.65))
+    b = make_run(tmp_path, "dapo", "dapo", 0, rewards=LINEAR_REWARDS[:12], entropies=ENTROPIES[:12])
+    cfg = yaml.safe_load((b / "config.yaml").read_text())
+    cfg["settings"]["steps"] = 20  # interrupted at step 12 of 20
+    (b / "config.yaml").write_text(yaml.safe_dump(cfg))
+    summary = write_comparison(tmp_path / "out", [load_run(a), load_run(b)])
+    rows = read_csv(tmp_path / "out" / "comparison.csv")
+    assert list(rows) == ["grpo", "dapo"]  # first-seen order
+    assert rows["dapo"]["avg_at_8_mean"] == "" and rows["dapo"]["pass_at_8_mean"] == ""
+    assert rows["dapo"]["greedy_accuracy_mean"] == ""
+    assert rows["dapo"]["final_reward_mean"] != ""  # the training curve is still there
+    dapo = summary["arms"][1]
+    assert dapo["metrics"]["avg_at_k"]["mean"] is None and dapo["runs"][0]["has_eval"] is False
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "no eval.json" in md and "stopped at step 12 of 20" in md
+    assert "| dapo | 1 | " in md and "warm start" not in md
+    # no eval.json at all: k for the column names comes from the config's eval_k
+    write_comparison(tmp_path / "only-dapo", [load_run(b)])
+    assert read_csv(tmp_path / "only-dapo" / "comparison.csv")["dapo"]["avg_at_8_mean"] == ""
+
+
+def test_two_seeds_mean_std_and_warmstart_row(tmp_path):
+    ws0 = {"k": 8, "avg_at_8": 0.4, "pass_at_8": 0.7, "greedy_accuracy": 0.5}
+    ws1 = {"k": 8, "avg_at_8": 0.5, "pass_at_8": 0.8, "greedy_accuracy": 0.6}
+    runs = [
+        make_run(tmp_path, "s0", "stare-phi", 0, rewards=[0.5] * 20, entropies=ENTROPIES,
+                 eval_=held_out(0.8, 0.9, 0.7, warmstart=ws0)),
+        make_run(tmp_path, "s1", "stare-phi", 1, rewards=[0.7] * 20, entropies=ENTROPIES,
+                 eval_=held_out(0.9, 1.0, 0.8, warmstart=ws1)),
+    ]
+    summary = write_comparison(tmp_path / "out", [load_run(r) for r in runs])
+    std = math.sqrt(2 * 0.05 ** 2)  # sample std of two values 0.1 apart
+    m = summary["arms"][0]["metrics"]
+    assert summary["arms"][0]["n_seeds"] == 2 and summary["arms"][0]["seeds"] == [0, 1]
+    assert m["avg_at_k"]["mean"] == pytest.approx(0.85) and m["avg_at_k"]["std"] == pytest.approx(std)
+    assert m["final_reward"]["mean"] == pytest.approx(0.6) and m["final_reward"]["std"] == pytest.approx(
+        math.sqrt(2 * 0.1 ** 2))
+    assert m["late_reward_slope"]["mean"] == pytest.approx(0.0)
+    rows = read_csv(tmp_path / "out" / "comparison.csv")
+    assert float(rows["stare-phi"]["pass_at_8_mean"]) == pytest.approx(0.95)
+    assert float(rows["stare-phi"]["pass_at_8_std"]) == pytest.approx(std)
+    assert float(rows["warmstart"]["avg_at_8_mean"]) == pytest.approx(0.45)  # one warm start per seed
+    assert rows["warmstart"]["final_reward_mean"] == ""
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "0.850 ± 0.071" in md and "0.950 ± 0.071" in md
+    assert "| warm start (before RL) | 2 |  | 0.450 ± 0.071 | 0.750 ± 0.071 | 0.550 ± 0.071 |" in md
+    assert md.index("warm start") < md.index("| stare-phi |")
+
+
+def test_hard_cases_and_permutation_p_value_vs_baseline(tmp_path):
+    runs = []
+    for seed, (hp_stare, hp_dapo) in enumerate([(0.9, 0.5), (0.95, 0.6), (1.0, 0.7)]):
+        runs.append(make_run(tmp_path, f"dapo{seed}", "dapo", seed, rewards=LINEAR_REWARDS, entropies=ENTROPIES,
+                             eval_=held_out(0.6, 0.8, 0.6, hard=(0.3, hp_dapo))))
+        runs.append(make_run(tmp_path, f"stare{seed}", "stare-phi", seed, rewards=LINEAR_REWARDS,
+                             entropies=ENTROPIES, eval_=held_out(0.7, 0.9, 0.6, hard=(0.5, hp_stare))))
+    one_seed = make_run(tmp_path, "grpo", "grpo", 0, rewards=LINEAR_REWARDS, entropies=ENTROPIES,
+                        eval_=held_out(0.5, 0.7, 0.5, hard=(0.1, 0.2)))
+    summary = write_comparison(tmp_path / "out", [load_run(r) for r in runs + [one_seed]])
+    arms = {a["arm"]: a for a in summary["arms"]}
+    assert list(arms) == ["dapo", "stare-phi", "grpo"]
+    # stare's three values are the three largest of six: 1 split out of C(6, 3) = 20
+    assert arms["stare-phi"]["p_hard_pass_vs_baseline"] == pytest.approx(1 / 20)
+    assert arms["dapo"]["p_hard_pass_vs_baseline"] is None  # the baseline itself
+    assert arms["grpo"]["p_hard_pass_vs_baseline"] is None  # one seed: not tested
+    assert arms["stare-phi"]["metrics"]["hard_pass_at_k"]["mean"] == pytest.approx(0.95)
+    rows = read_csv(tmp_path / "out" / "comparison.csv")
+    assert float(rows["stare-phi"]["p_hard_pass_at_8_vs_dapo"]) == pytest.approx(0.05)
+    assert rows["dapo"]["p_hard_pass_at_8_vs_dapo"] == "" and rows["grpo"]["p_hard_pass_at_8_vs_dapo"] == ""
+    assert float(rows["dapo"]["hard_avg_at_8_mean"]) == pytest.approx(0.3)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "one-sided exact permutation test on per-seed hard-case pass@k vs dapo" in md
+    assert "hard pass@8" in md and "p hard pass@8 vs dapo" in md
+    assert summary["test"] == "one-sided exact permutation test on per-seed hard-case pass@k vs dapo"
+
+
+def test_permutation_test_exact_cases_by_hand():
+    # pool {1,2,3,4}, 6 splits of two; only {3,4} reaches the observed sum 7
+    assert permutation_test([3, 4], [1, 2]) == pytest.approx(1 / 6)
+    assert permutation_test([1, 2], [3, 4]) == pytest.approx(1.0)
+    assert permutation_test([1, 1], [1, 1]) == pytest.approx(1.0)  # ties count as reaching the observed sum
+    # pool {1,...,5}, sum(a) = 10: a triple reaches 10 iff its complementary pair sums to <= 5:
+    # {1,2}, {1,3}, {1,4}, {2,3} -> 4 of C(5, 3) = 10
+    assert permutation_test([2, 3, 5], [1, 4]) == pytest.approx(0.4)
+    assert permutation_test([0.1 + 0.2, 0.5], [0.3, 0.1]) == pytest.approx(2 / 6)  # {0.3,0.5} twice: float ties
+    with pytest.raises(ValueError):
+        permutation_test([], [1.0])
+
+
+def test_permutation_test_sampled_beyond_the_exact_limit():
+    import itertools
+
+    a = [0.9, 1.1, 1.3, 0.7, 1.0, 1.2, 0.8, 1.4, 0.6, 1.5]
+    b = [0.5, 1.0, 0.4, 0.9, 0.3, 1.2, 0.2, 0.8, 0.7, 0.6, 1.1]
+    assert math.comb(21, 10) > 200_000  # sampled, not enumerated
+    pool = a + b
+    exact = sum(sum(pool[i] for i in idx) >= sum(a) - 1e-9
+                for idx in itertools.combinations(range(21), 10)) / math.comb(21, 10)
+    p = permutation_test(a, b)
+    assert p == permutation_test(a, b)  # fixed seed
+    assert abs(p - exact) < 0.005
+
+
+def test_load_run_errors_name_the_file(tmp_path):
+    run = make_run(tmp_path, "r", "grpo", 0, rewards=[0.5, 0.6], entropies=[0.4, 0.4])
+    assert load_run(run).algo == "grpo" and load_run(run).seed == 0 and load_run(run).eval is None
+
+    with pytest.raises(ValueError, match="no config.yaml"):
+        load_run(tmp_path / "nowhere")
+    (run / "metrics.jsonl").rename(run / "m.bak")
+    with pytest.raises(ValueError, match=r"r: no metrics.jsonl"):
+        load_run(run)
+    (run / "m.bak").rename(run / "metrics.jsonl")
+
+    good = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\nnot json\n' + good)
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not valid JSON"):
+        load_run(run)
+    (run / "metrics.jsonl").write_text('{"reward_mean": 0.5}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is malformed"):
+        load_run(run)
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"metrics.jsonl holds no steps"):
+        load_run(run)
+    # a run killed while writing its last line: the partial line is dropped with a warning
+    (run / "metrics.jsonl").write_text(good + '{"step": 3, "rew')
+    with pytest.warns(UserWarning, match="truncated"):
+        assert [r["step"] for r in load_run(run).metrics] == [1, 2]
+    (run / "metrics.jsonl").write_text(good)
+
+    (run / "config.yaml").write_text("algo: [unclosed\n")
+    with pytest.raises(ValueError, match=r"config.yaml is not valid YAML"):
+        load_run(run)
+    (run / "config.yaml").write_text("preset: tiny-cpu\nalgo: {stare: false}\n")
+    with pytest.raises(ValueError, match=r"config.yaml is malformed"):
+        load_run(run)
+
+
+def test_different_k_is_refused(tmp_path):
+    a = make_run(tmp_path, "a", "grpo", 0, rewards=[0.5] * 4, entropies=[0.4] * 4, eval_=held_out(0.5, 0.6, 0.5))
+    b = make_run(tmp_path, "b", "dapo", 0, rewards=[0.5] * 4, entropies=[0.4] * 4,
+                 eval_=held_out(0.5, 0.6, 0.5, k=16), k=16)
+    with pytest.raises(ValueError, match="different k"):
+        write_comparison(tmp_path / "out", [load_run(a), load_run(b)])
+
+
+def test_plots_are_png_files(tmp_path):
+    runs = []
+    for seed in range(2):
+        for algo, drift in (("grpo", -0.02), ("stare-phi", 0.0)):
+            steps = range(1, 41)
+            runs.append(make_run(
+                tmp_path, f"{algo}-{seed}", algo, seed,
+                rewards=[min(1.0, 0.3 + 0.015 * s + 0.05 * ((s * (seed + 3)) % 5) / 5) for s in steps],
+                entropies=[max(0.05, 0.6 + drift * s + 0.04 * ((s * (seed + 2)) % 4) / 4) for s in steps],
+                lengths=[8 + (s % 3) * 0.3 + seed * 0.2 for s in steps]))
+    written = plot_curves(tmp_path / "plots", [load_run(r) for r in runs])
+    assert [p.name for p in written] == ["entropy.png", "reward.png", "response_length.png"]
+    for p in written:
+        data = p.read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
