@@ -220,7 +220,7 @@ def run(
     runs = [load_run(d) for d in dirs]
     write_comparison(out, runs)
     plot_curves(out, runs)
-    console.print((out / "comparison.md").read_text(), markup=False, highlight=False)
+    console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
 
 
