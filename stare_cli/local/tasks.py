@@ -82,7 +82,7 @@ class ReverseTask(Task):
 class ExploreTask(ReverseTask):
     name = "explore"
     trigger_share = 0.125
-    demo_rule_rate = 0.1  # how often the warm start's demonstrations on trigger prompts show the rule
+    demo_rule_rate = 0.003  # how often the warm start's demonstrations on trigger prompts show the rule
     charset = LETTERS + MARKER
 
     def make(self, rng):

@@ -233,6 +233,14 @@ class LocalTrainer:
         rec.update({f"quadrant/{k}": float(v) for k, v in
                     quadrant_stats(stats.surprisal, stats.entropy, adv, mask, phi=stats.phi).items()})
         rec["entropy_forecast"] = float(predicted_entropy_change(stats.phi, adv, mask, weights=weights))
+        if weights is not None:
+            # Why a rule works or not: the forecast without the weights, and how many of the tokens the rule
+            # boosts (A > 0, weight > 1) really raise entropy (Phi > 0).
+            rec["entropy_forecast_base"] = float(predicted_entropy_change(stats.phi, adv, mask))
+            adv_tok = adv[:, None].expand_as(mask)
+            boosted = (weights > 1) & (adv_tok > 0) & mask.bool()
+            rec["stare/boosted_raise_share"] = (float((boosted & (stats.phi > 0)).sum() / boosted.sum())
+                                                if bool(boosted.any()) else None)
 
         # updates: mini-batches (one optimizer step each), micro-batches accumulated with global counts
         n = actions.shape[0]
