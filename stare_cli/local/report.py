@@ -290,7 +290,12 @@ def _warmstart(runs: list[Run], k: int | None) -> dict | None:
             by_seed.setdefault(r.seed, r.eval["warmstart"])
     if not by_seed:
         return None
-    per_seed = [_held_out(ws, ws.get("k", k)) for ws in by_seed.values()]
+    per_seed = []
+    for ws in by_seed.values():
+        numbers = _held_out(ws, ws.get("k", k))
+        hard = _held_out(ws.get("hard"), ws.get("k", k))
+        numbers.update({"hard_avg_at_k": hard["avg_at_k"], "hard_pass_at_k": hard["pass_at_k"]})
+        per_seed.append(numbers)
     return {"n_seeds": len(per_seed), "seeds": list(by_seed),
             "metrics": {name: _aggregate([p[name] for p in per_seed]) for name in per_seed[0]}}
 
