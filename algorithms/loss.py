@@ -96,21 +96,22 @@ def policy_loss(
         token_loss = torch.where(neg, torch.minimum(token_loss, cap), token_loss)
     else:
         dual_hit = torch.zeros_like(neg)
-    if weights is not None:
-        token_loss = token_loss * torch.where(valid, weights.to(token_loss.dtype), 0.0)
+    # the weights ride on the mask: one multiply applies both (padding selected to 0, so NaN cannot leak)
+    loss_mask = mask_f if weights is None else torch.where(valid, weights.to(token_loss.dtype), 0.0)
+    masked_loss = token_loss * loss_mask
 
     if num_tokens is None:
         num_tokens = mask_f.sum()
     if num_seqs is None:
         num_seqs = logprobs.shape[0]
     if agg == "token-mean":
-        loss = (token_loss * mask_f).sum() / num_tokens
+        loss = masked_loss.sum() / num_tokens
     elif agg == "seq-mean-token-mean":
         seq_len = mask_f.sum(dim=-1).clamp(min=1.0)
-        loss = ((token_loss * mask_f).sum(dim=-1) / seq_len).sum() / num_seqs
+        loss = (masked_loss.sum(dim=-1) / seq_len).sum() / num_seqs
     else:  # seq-mean-token-sum-norm
         length = logprobs.shape[-1] if norm_len is None else norm_len
-        loss = (token_loss * mask_f).sum() / (num_seqs * length)
+        loss = masked_loss.sum() / (num_seqs * length)
 
     with torch.no_grad():
         denom = num_tokens
@@ -124,7 +125,6 @@ def policy_loss(
             "clip_frac_high": frac((advantages > 0) & (r > 1.0 + clip_high)),
             "dual_clip_frac": frac(dual_hit),
             "approx_kl": ((r - 1.0 - log_ratio.detach()) * mask_f).sum() / denom,
-            "weight_mean": (mask_f.sum() if weights is None
-                            else torch.where(valid, weights.detach().to(mask_f.dtype), 0.0).sum()) / denom,
+            "weight_mean": loss_mask.sum() / denom,
         }
     return loss, metrics

@@ -94,25 +94,49 @@ def kth_largest(values: torch.Tensor, k: int, group=None) -> float:
     return _key_to_float(prefix)
 
 
-def _global_count(flags: torch.Tensor, group) -> int:
-    count = flags.sum().to(torch.int64).reshape(1)
-    if group is not None:
-        import torch.distributed as dist
+def _global_n(n: int, group, device) -> int:
+    if group is None:
+        return n
+    import torch.distributed as dist
 
-        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    count = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return int(count)
+
+
+def _top_threshold(values: torch.Tensor, n_local: int, ratio: float, group) -> float | None:
+    """The key a member needs to be in the top ``ratio`` share (None: select nothing).
+
+    ``values`` holds the local members' keys and may hold extra ``-inf`` fillers (padding), which rank last.
+    """
+    k = top_count(ratio, _global_n(n_local, group, values.device))
+    return None if k == 0 else kth_largest(values, k, group)
 
 
 def _top_share(key: torch.Tensor, members: torch.Tensor, ratio: float, group) -> torch.Tensor:
     """Bool mask of ``members`` whose ``key`` is among the top ``ratio`` share (threshold, ties kept)."""
-    n = _global_count(members, group)
-    k = top_count(ratio, n)
-    if k == 0:
+    values = key[members]  # the members' keys, compacted
+    threshold = _top_threshold(values, values.numel(), ratio, group)
+    if threshold is None:
         return torch.zeros_like(members)
-    if k == n:
-        return members
-    threshold = kth_largest(key[members].to(torch.float32), k, group)
-    return members & (key.to(torch.float32) >= threshold)
+    return members & (key >= threshold)
+
+
+def _paper_rule_by_rows(weights, key, valid, adv_seq, ratio, w, m, variant, group) -> None:
+    """The paper's rule for per-sequence advantages, in place: whole rows are gathered by advantage sign, so
+    no per-token mask or compaction pass is needed (padding is -inf and never reaches a finite threshold)."""
+    key = torch.where(valid, key, float("-inf"))
+    counts = valid.sum(dim=1)
+    for sign, value in ((1, w), (-1, m)):
+        if sign < 0 and variant != "C2":
+            continue
+        rows = (adv_seq > 0 if sign > 0 else adv_seq < 0).nonzero().squeeze(1)
+        sub = key.index_select(0, rows)
+        threshold = _top_threshold(sub.reshape(-1), int(counts[rows].sum()), ratio, group)
+        if threshold is None:
+            continue
+        fill = torch.where(sub >= threshold, value, 1.0).to(weights.dtype)
+        weights.index_copy_(0, rows, fill)
 
 
 def stare_token_weights(
@@ -174,7 +198,9 @@ def stare_token_weights(
     if not gate_on:
         return ones
     valid = mask.bool()
-    check_finite(valid, logprobs=logprobs, advantages=advantages, phi=phi)
+    check_finite(valid, logprobs=logprobs, phi=phi)
+    check_finite(None if advantages.stride(-1) == 0 else valid,
+                 advantages=advantages[:, :1] if advantages.stride(-1) == 0 else advantages)
 
     if micro_batch_size is not None and micro_batch_size < logprobs.shape[0]:
         kwargs = dict(top_ratio=top_ratio, w=w, m=m, variant=variant, selection=selection, damp=damp,
@@ -187,11 +213,18 @@ def stare_token_weights(
                 phi=None if phi is None else phi[rows], **kwargs))
         return torch.cat(parts, dim=0)
 
-    pos = valid & (advantages > 0)
-    neg = valid & (advantages < 0)
+    per_sequence = advantages.stride(-1) == 0  # [B] advantages broadcast along T
     weights = ones
     if selection == "quantile":
-        key = -logprobs.detach().to(torch.float32) * direction  # surprisal (negated to mirror)
+        key = logprobs.detach().to(torch.float32)
+        key = key.neg() if direction == 1 else key  # surprisal; its negation mirrors the rule
+        if per_sequence and damp == 1.0:
+            _paper_rule_by_rows(weights, key, valid, advantages[:, 0], top_ratio, w, m, variant, group)
+            return weights
+    adv = advantages[:, :1] if per_sequence else advantages  # a [B, 1] view broadcasts without a copy
+    pos = valid & (adv > 0)
+    neg = valid & (adv < 0)
+    if selection == "quantile":
         l_pos = _top_share(key, pos, top_ratio, group)
         l_neg = _top_share(key, neg, top_ratio, group) if variant == "C2" else None
     else:
@@ -203,13 +236,13 @@ def stare_token_weights(
             l_pos = _top_share(signed_phi, l_pos, phi_cap, group)
             if l_neg is not None:
                 l_neg = _top_share(signed_phi, l_neg, phi_cap, group)
-    weights = torch.where(l_pos, torch.full_like(weights, w), weights)
+    weights.masked_fill_(l_pos, w)
     if l_neg is not None:
-        weights = torch.where(l_neg, torch.full_like(weights, m), weights)
+        weights.masked_fill_(l_neg, m)
     if damp != 1.0:
-        lowering_majority = pos & (phi.detach().to(torch.float32) * direction < 0)
-        weights = torch.where(lowering_majority, torch.full_like(weights, damp), weights)
+        weights.masked_fill_(pos & (phi.detach().to(torch.float32) * direction < 0), damp)
     return weights
+
 
 
 def reweight_stats(weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

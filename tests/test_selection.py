@@ -63,9 +63,12 @@ def test_top_count_is_exact_ceil():
 def test_paper_rule_matches_brute_force(variant, ties, P):
     for seed in range(5):
         logprobs, adv, mask = random_batch(seed=seed, ties=ties)
-        got = stare_token_weights(logprobs, adv, mask, top_ratio=P, w=1.1, m=0.9, variant=variant)
-        want = brute_force_paper(logprobs, adv, mask, P, 1.1, 0.9, variant)
-        assert torch.equal(got, want)
+        # per-sequence advantages (the row-gather path) and per-token ones (the mask path)
+        per_token = adv[:, None] * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed)).sign()
+        for a in (adv, adv[:, None].expand_as(logprobs), per_token):
+            got = stare_token_weights(logprobs, a, mask, top_ratio=P, w=1.1, m=0.9, variant=variant)
+            want = brute_force_paper(logprobs, a, mask, P, 1.1, 0.9, variant)
+            assert torch.equal(got, want)
 
 
 def test_gate_off_is_exactly_the_base_loss():

@@ -1,0 +1,101 @@
+"""Tiny shared helpers for the benchmarks: interleaved median timing and the summary printout.
+
+Not a framework: each benchmark script reads top to bottom and calls these three functions.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on an accelerator; no-op on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_times(fns: dict, *, repeats: int, warmup: int = 2, device="cpu") -> dict[str, list[float]]:
+    """Time each callable ``repeats`` times, interleaved, after ``warmup`` untimed rounds; seconds per call.
+
+    Interleaving (A B, then B A, then A B, ...) exposes both variants to the same machine state (clock
+    boost, other load, allocator caches), so their ratio is fair even when absolute times drift.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            gc.collect()
+            synchronize(device)
+            t0 = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "PASS" if ratio <= target else "FAIL"
+
+
+class BackgroundLoad:
+    """How many CPU cores OTHER processes kept busy between construction and the first ``cores()`` (Linux).
+
+    Machine-wide busy time from /proc/stat minus this process's (and its finished children's) CPU time.
+    A benchmark prints it so that a reader can tell a slow run from a contended one; None off Linux.
+    """
+
+    def __init__(self):
+        self.start = self._snapshot()
+
+    @staticmethod
+    def _snapshot():
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:9]]
+        except OSError:
+            return None
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        own = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                    resource.getrusage(resource.RUSAGE_CHILDREN)))
+        return busy, own, time.monotonic()
+
+    def cores(self) -> float | None:
+        """Measured at the first call (which ends the window); later calls return the same value."""
+        if not hasattr(self, "_cores"):
+            end = self._snapshot()
+            if self.start is None or end is None or end[2] <= self.start[2]:
+                self._cores = None
+            else:
+                other = (end[0] - self.start[0]) - (end[1] - self.start[1])
+                self._cores = max(0.0, other / (end[2] - self.start[2]))
+        return self._cores
+
+    def line(self) -> str:
+        cores = self.cores()
+        if cores is None:
+            return "  background load: unknown"
+        text = f"  background load from other processes: {cores:.2f} of {os.cpu_count()} cores"
+        if cores > 0.25:
+            text += "  WARNING: the machine was busy, timings (and possibly ratios) are unreliable"
+        return text
+
+
+def print_result(payload: dict) -> None:
+    """The last line of every benchmark: ``RESULT {json}`` for scripts to parse."""
+    print("RESULT " + json.dumps(payload, sort_keys=True))

@@ -1,0 +1,181 @@
+"""Memory and time of the chunked entropy sensitivity against a naive full-vocabulary computation.
+
+Compares ``stare.algorithms.entropy_sensitivity(logits, actions)`` (chunked, default chunk size) with a
+naive, unchunked computation of the same three outputs (entropy H, surprisal s_a of the action, and
+Phi = p_a (s_a - H) - sum_j p_j^2 (s_j - H)) that materialises full N x V float32 tensors, at N = 1024
+positions and Qwen's vocabulary V = 151936.
+
+- Peak memory: each variant runs once per FRESH subprocess (``--worker chunked|naive``), ``--mem-repeats``
+  processes each, worst kept. On CPU the extra memory is peak RSS (``ru_maxrss``) minus the RSS once the
+  inputs exist; on CUDA it is ``max_memory_allocated`` minus ``memory_allocated`` before the call.
+- Time: the two variants' repeats are interleaved in this process after a warm-up; medians.
+- Agreement: the max abs difference of each output between the two is printed.
+
+Targets: chunked extra memory <= 0.2 x naive extra memory; chunked time <= 1.2 x naive time.
+
+    python benchmarks/bench_entropy.py [--repeats 5] [--mem-repeats 3] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+
+import torch
+
+from _timing import BackgroundLoad, interleaved_times, median, print_result, synchronize, verdict
+
+MEMORY_TARGET = 0.2
+TIME_TARGET = 1.2
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--repeats", type=int, default=5, help="timed samples per variant (default 5)")
+parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+parser.add_argument("--n", type=int, default=1024, help="positions (rows of logits)")
+parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
+parser.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per variant for memory (default 3)")
+parser.add_argument("--worker", choices=["chunked", "naive"], help=argparse.SUPPRESS)
+args = parser.parse_args()
+
+from stare.algorithms import entropy_sensitivity  # noqa: E402
+
+device = torch.device(args.device)
+
+
+def make_inputs(n: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits with per-row sharpness (entropies from near 0 to several nats) and sampled actions.
+
+    Everything is built in place or a few rows at a time, so making the inputs never needs more memory
+    than the inputs themselves (that would hide the measured variant's peak on CPU, where the peak RSS is
+    a high-water mark for the whole process).
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(n, vocab, generator=gen, device=device)
+    logits.mul_(torch.empty(n, 1, device=device).uniform_(1.0, 8.0, generator=gen))
+    actions = torch.empty(n, dtype=torch.long, device=device)
+    for start in range(0, n, 2):
+        probs = torch.softmax(logits[start:start + 2], dim=-1)
+        actions[start:start + 2] = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        del probs
+    return logits, actions
+
+
+def naive(logits: torch.Tensor, actions: torch.Tensor):
+    """The textbook formulas on full [N, V] tensors: log_softmax, probs, surprisals, entropy, Phi."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        p = logp.exp()
+        s = -logp
+        entropy = (p * s).sum(dim=-1)
+        s_a = s.gather(-1, actions[:, None]).squeeze(-1)
+        p_a = p.gather(-1, actions[:, None]).squeeze(-1)
+        phi = p_a * (s_a - entropy) - (p * p * (s - entropy[:, None])).sum(dim=-1)
+    return entropy, s_a, phi
+
+
+def chunked(logits: torch.Tensor, actions: torch.Tensor):
+    return tuple(entropy_sensitivity(logits, actions))
+
+
+VARIANTS = {"chunked": chunked, "naive": naive}
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ---- worker: one variant, once, in a fresh process; prints its extra peak memory as JSON ----------------
+if args.worker:
+    logits, actions = make_inputs(args.n, args.vocab, device)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = VARIANTS[args.worker](logits, actions)
+        synchronize(device)
+        extra = torch.cuda.max_memory_allocated(device) - before
+        note = ""
+    else:
+        baseline = current_rss_bytes()
+        high_water_before = peak_rss_bytes()  # must not exceed the baseline, or the peak below hides ours
+        out = VARIANTS[args.worker](logits, actions)
+        extra = peak_rss_bytes() - baseline
+        note = ""
+        if high_water_before > baseline + (4 << 20):
+            note = (f"  WARNING: the high-water mark before the call was already "
+                    f"{(high_water_before - baseline) / 2**20:.0f} MiB above the baseline")
+    assert all(torch.isfinite(t).all() for t in out)
+    print("WORKER " + json.dumps({"variant": args.worker, "extra_bytes": extra, "note": note}))
+    sys.exit(0)
+
+
+# ---- parent: memory via fresh workers, then agreement and interleaved timing here ------------------------
+def measure_memory(variant: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--device", args.device,
+           "--n", str(args.n), "--vocab", str(args.vocab)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"memory worker {variant!r} failed (exit {proc.returncode}):\n{proc.stderr}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("WORKER "))
+    return json.loads(line[len("WORKER "):])
+
+
+load = BackgroundLoad()
+# glibc's malloc may keep freed chunk buffers in its heap instead of returning them to the OS (its mmap
+# threshold adapts at run time), so the same computation can show different peak RSS from one process to
+# the next (65 or ~150 MiB for the chunked one here): run several fresh workers per variant, keep the worst.
+runs = {"chunked": [], "naive": []}
+for _ in range(args.mem_repeats):
+    for variant in runs:
+        runs[variant].append(measure_memory(variant))
+memory = {variant: max(rs, key=lambda r: r["extra_bytes"]) for variant, rs in runs.items()}
+mem_ratio = memory["chunked"]["extra_bytes"] / memory["naive"]["extra_bytes"]
+
+logits, actions = make_inputs(args.n, args.vocab, device)
+diffs = {name: float((a - b).abs().max()) for name, a, b in zip(("entropy", "surprisal", "phi"),
+                                                                chunked(logits, actions), naive(logits, actions))}
+
+times = interleaved_times({"chunked": lambda: chunked(logits, actions), "naive": lambda: naive(logits, actions)},
+                          repeats=args.repeats, warmup=1, device=device)
+med = {name: median(ts) for name, ts in times.items()}
+time_ratio = med["chunked"] / med["naive"]
+
+mib = 2 ** 20
+print(f"entropy_sensitivity (chunked, default chunk) vs naive full [N, V] float32, N={args.n}, V={args.vocab} "
+      f"(logits {logits.numel() * 4 / mib:.0f} MiB), device={device}, torch {torch.__version__}, "
+      f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+print(f"  max abs diff chunked vs naive: entropy {diffs['entropy']:.3g}, surprisal {diffs['surprisal']:.3g}, "
+      f"phi {diffs['phi']:.3g}")
+how = ("max_memory_allocated - memory_allocated before" if device.type == "cuda"
+       else "peak RSS (ru_maxrss) - RSS after the inputs")
+print(f"  extra peak memory, worst of {args.mem_repeats} fresh processes each, {how}:")
+for variant in ("chunked", "naive"):
+    all_runs = ", ".join(f"{r['extra_bytes'] / mib:.1f}" for r in runs[variant])
+    print(f"  {variant + ':':8s} {memory[variant]['extra_bytes'] / mib:9.1f} MiB  (runs: {all_runs}){memory[variant]['note']}")
+print(f"  memory ratio chunked/naive = {mem_ratio:.3f}   target <= {MEMORY_TARGET:.2f}   {verdict(mem_ratio, MEMORY_TARGET)}")
+print(f"  {args.repeats} interleaved samples; medians:")
+print(f"  chunked: {med['chunked'] * 1e3:9.1f} ms")
+print(f"  naive:   {med['naive'] * 1e3:9.1f} ms")
+print(f"  time ratio chunked/naive = {time_ratio:.3f}   target <= {TIME_TARGET:.2f}   {verdict(time_ratio, TIME_TARGET)}")
+print(load.line())
+print_result({
+    "background_load_cores": load.cores(),
+    "bench": "entropy", "device": str(device), "n": args.n, "vocab": args.vocab, "repeats": args.repeats,
+    "max_abs_diff": diffs,
+    "chunked_extra_mib": memory["chunked"]["extra_bytes"] / mib, "naive_extra_mib": memory["naive"]["extra_bytes"] / mib,
+    "chunked_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["chunked"]],
+    "naive_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["naive"]],
+    "memory_ratio": mem_ratio, "memory_target": MEMORY_TARGET, "memory_pass": mem_ratio <= MEMORY_TARGET,
+    "chunked_ms": med["chunked"] * 1e3, "naive_ms": med["naive"] * 1e3,
+    "time_ratio": time_ratio, "time_target": TIME_TARGET, "time_pass": time_ratio <= TIME_TARGET,
+    "pass": mem_ratio <= MEMORY_TARGET and time_ratio <= TIME_TARGET,
+})
