@@ -40,6 +40,7 @@ def test_phi_matches_finite_differences_of_exact_entropy():
 def test_phi_sign_table():
     # High-surprisal tokens (s_a > H) always raise entropy under a positive advantage: Phi > 0 exactly.
     # Low-surprisal tokens lower it "mostly"; the exact threshold is p_a (s_a - H) > sum_j p_j^2 (s_j - H).
+    torch.manual_seed(1)
     g = torch.Generator().manual_seed(1)
     N, V = 20000, 12
     logits = torch.randn(N, V, generator=g) * (torch.rand(N, 1, generator=g) * 5)
@@ -100,6 +101,7 @@ def test_no_gradient_and_bad_inputs():
 def test_forecast_predicts_a_real_gradient_step():
     # Tabular policy: each position owns its logits. A step on loss -sum_t A_t log p(a_t) moves position t's
     # logits by eta A_t (e_a - p), so the mean entropy change is eta * mean(A Phi) to first order.
+    torch.manual_seed(4)
     g = torch.Generator().manual_seed(4)
     N, V = 64, 9
     z = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
@@ -113,20 +115,21 @@ def test_forecast_predicts_a_real_gradient_step():
     zz = z.clone().requires_grad_(True)
     logp = torch.log_softmax(zz, -1).gather(-1, actions[:, None]).squeeze(-1)
     (-(adv * logp * mask).sum()).backward()
-    stepped = z - eta * zz.grad
-    measured = ((exact_entropy(stepped) - exact_entropy(z)) * mask).sum() / mask.sum() / eta
-    assert forecast.item() == pytest.approx(measured.item(), rel=1e-3)
+    # central difference along the gradient step: second-order terms cancel
+    measured = ((exact_entropy(z - eta * zz.grad) - exact_entropy(z + eta * zz.grad)) * mask).sum() / mask.sum() / (2 * eta)
+    assert forecast.item() == pytest.approx(measured.item(), rel=1e-4)
     # with weights, each token's step is scaled by its weight
     w = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
     zz.grad = None
     logp = torch.log_softmax(zz, -1).gather(-1, actions[:, None]).squeeze(-1)
     (-(w * adv * logp * mask).sum()).backward()
-    measured_w = ((exact_entropy(z - eta * zz.grad) - exact_entropy(z)) * mask).sum() / mask.sum() / eta
+    measured_w = ((exact_entropy(z - eta * zz.grad) - exact_entropy(z + eta * zz.grad)) * mask).sum() / mask.sum() / (2 * eta)
     forecast_w = predicted_entropy_change(stats.phi[None], adv[None], mask[None], weights=w[None])
-    assert forecast_w.item() == pytest.approx(measured_w.item(), rel=1e-3)
+    assert forecast_w.item() == pytest.approx(measured_w.item(), rel=1e-4)
 
 
 def test_quadrant_stats_against_counting():
+    torch.manual_seed(5)
     g = torch.Generator().manual_seed(5)
     B, T, V = 6, 15, 8
     logits = torch.randn(B, T, V, generator=g) * 2
