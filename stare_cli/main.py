@@ -175,6 +175,10 @@ def train(
     from .local.trainer import LocalTrainer
 
     trainer = LocalTrainer(resolved, out)
+    settings = resolved["settings"]
+    if settings.get("model", "tiny") == "tiny" and not (trainer.warmstart_dir / "warmstart.json").exists():
+        console.print(f"warm start: {settings['warmstart_steps']} supervised steps on noisy demonstrations "
+                      f"(cached in {trainer.warmstart_dir})")
     with Progress(console=console) as progress:
         task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"])
 
