@@ -1,8 +1,22 @@
-"""stare.eval: benchmark evaluation (avg@k, pass@k).
+"""stare.eval: benchmark evaluation building blocks (data loading, avg@k / pass@k / maj@k, intervals).
 
-The benchmark harness (``stare eval``) is tracked in its own issue; the metrics below are shared with the
-local engine's held-out evaluation.
+The end-to-end harness (``stare eval``), the lm-eval tasks and ``stare compare`` are tracked in the eval
+issue; the pieces below are done and tested, and the local engine already uses ``pass_at_k``.
 """
-from .metrics import pass_at_k
+from .data import BENCHES, Problem, load_bench, repair_escapes
+from .metrics import (
+    avg_at_k,
+    bootstrap_ci,
+    count_reflections,
+    maj_at_k,
+    majority_votes,
+    pass_at_k,
+    pass_at_k_mean,
+    per_problem_accuracy,
+    reflection_rate,
+)
 
-__all__ = ["pass_at_k"]
+__all__ = [
+    "BENCHES", "Problem", "avg_at_k", "bootstrap_ci", "count_reflections", "load_bench", "maj_at_k",
+    "majority_votes", "pass_at_k", "pass_at_k_mean", "per_problem_accuracy", "reflection_rate", "repair_escapes",
+]

@@ -11,3 +11,137 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sample-matrix metrics. ``correct[i][j]`` is whether sample j of problem i was judged correct; problems may carry
+# different numbers of samples, but each needs at least one.
+
+
+def _check_matrix(correct, name: str = "correct") -> None:
+    if len(correct) == 0:
+        raise ValueError(f"{name} is empty: need at least one problem")
+    for i, row in enumerate(correct):
+        if len(row) == 0:
+            raise ValueError(f"{name}[{i}] is empty: every problem needs at least one sample")
+
+
+def per_problem_accuracy(correct: list[list[bool]]) -> list[float]:
+    """Per-problem fraction of correct samples (the per-problem values behind avg@k, for bootstrap_ci)."""
+    _check_matrix(correct)
+    return [sum(bool(x) for x in row) / len(row) for row in correct]
+
+
+def avg_at_k(correct: list[list[bool]]) -> float:
+    """avg@k: mean over problems of the per-problem mean accuracy over its k samples."""
+    acc = per_problem_accuracy(correct)
+    return sum(acc) / len(acc)
+
+
+def pass_at_k_mean(correct: list[list[bool]], k: int) -> float:
+    """Mean over problems of the unbiased pass@k (``pass_at_k(n, c, k)`` with n samples, c correct, per problem)."""
+    _check_matrix(correct)
+    vals = [pass_at_k(len(row), sum(bool(x) for x in row), k) for row in correct]
+    return sum(vals) / len(vals)
+
+
+def majority_votes(extracted: list[list[str | None]], correct: list[list[bool]]) -> list[bool]:
+    """Per-problem majority-vote correctness (the per-problem values behind maj@k).
+
+    The majority answer is the most frequent non-None extracted answer (ties go to the answer that occurs first);
+    None (no answer) wins only when every sample is None, and then the problem counts as wrong. The problem is
+    correct when the first sample carrying the majority answer is marked correct (samples with the same extracted
+    answer are expected to be judged alike).
+    """
+    _check_matrix(correct)
+    if len(extracted) != len(correct):
+        raise ValueError(f"extracted has {len(extracted)} problems but correct has {len(correct)}")
+    out = []
+    for i, (answers, flags) in enumerate(zip(extracted, correct)):
+        if len(answers) != len(flags):
+            raise ValueError(f"problem {i}: {len(answers)} extracted answers but {len(flags)} correctness flags")
+        counts: dict[str, int] = {}
+        first: dict[str, int] = {}
+        for j, a in enumerate(answers):
+            if a is None:
+                continue
+            counts[a] = counts.get(a, 0) + 1
+            first.setdefault(a, j)
+        if not counts:
+            out.append(False)
+            continue
+        best = max(counts, key=lambda a: (counts[a], -first[a]))
+        out.append(bool(flags[first[best]]))
+    return out
+
+
+def maj_at_k(extracted: list[list[str | None]], correct: list[list[bool]]) -> float:
+    """maj@k (cons@k): fraction of problems whose majority-vote answer is correct (see ``majority_votes``)."""
+    votes = majority_votes(extracted, correct)
+    return sum(votes) / len(votes)
+
+
+def bootstrap_ci(per_problem: list[float], *, n_boot: int = 2000, alpha: float = 0.05,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap (1 - alpha) interval of the mean, resampling problems with replacement."""
+    import numpy as np
+
+    if len(per_problem) == 0:
+        raise ValueError("per_problem is empty: need at least one value")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    if not (0.0 < alpha < 1.0):
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    x = np.asarray(per_problem, dtype=np.float64)
+    n = x.size
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_boot, dtype=np.float64)
+    chunk = max(1, 4_000_000 // n)  # bound memory at ~32 MB of indices per chunk
+    for start in range(0, n_boot, chunk):
+        stop = min(n_boot, start + chunk)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        means[start:stop] = x[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    # float rounding in the means must not push the interval outside the data's range
+    lo = float(min(max(lo, x.min()), x.max()))
+    hi = float(min(max(hi, x.min()), x.max()))
+    return lo, hi
+
+
+# Reflection words and phrases, matched as whole words, case-insensitively; "-" also matches a space or nothing
+# ("double-check", "double check", "doublecheck"). Longer phrases are tried first and matches do not overlap, so
+# "let me check" counts once.
+REFLECTION_PHRASES: tuple[str, ...] = (
+    "wait", "hmm", "however", "alternatively", "let me check", "check again", "verify", "re-check",
+    "re-examine", "double-check", "re-evaluate", "reconsider", "hold on", "on second thought",
+)
+
+
+def _reflection_regex():
+    import re
+
+    parts = []
+    for p in sorted(REFLECTION_PHRASES, key=len, reverse=True):
+        words = [re.escape(w) for w in p.split()]
+        parts.append(r"\s+".join(words).replace(r"\-", "[- ]?"))
+    return re.compile(r"\b(?:" + "|".join(parts) + r")\b", re.IGNORECASE)
+
+
+_REFLECTION_RE = _reflection_regex()
+
+
+def count_reflections(text: str) -> int:
+    """Number of reflection words/phrases (``REFLECTION_PHRASES``) in one response."""
+    return sum(1 for _ in _REFLECTION_RE.finditer(text))
+
+
+def reflection_rate(responses: list[str], num_tokens: list[int]) -> float:
+    """Reflection words/phrases per 1k generated tokens, pooled over all responses (0.0 when there are no tokens)."""
+    if len(responses) != len(num_tokens):
+        raise ValueError(f"{len(responses)} responses but {len(num_tokens)} token counts")
+    if any(t < 0 for t in num_tokens):
+        raise ValueError("token counts must be >= 0")
+    total = sum(num_tokens)
+    if total == 0:
+        return 0.0
+    return 1000.0 * sum(count_reflections(r) for r in responses) / total
