@@ -1,4 +1,4 @@
-"""stare.eval: benchmark evaluation building blocks (data loading, avg@k / pass@k / maj@k, intervals).
+"""stare.eval: benchmark evaluation building blocks (data, math-verify scoring, avg@k / pass@k / maj@k, intervals).
 
 The end-to-end harness (``stare eval``), the lm-eval tasks and ``stare compare`` are tracked in the eval
 issue; the pieces below are done and tested, and the local engine already uses ``pass_at_k``.
@@ -15,8 +15,10 @@ from .metrics import (
     per_problem_accuracy,
     reflection_rate,
 )
+from .scoring import extract_boxed, is_correct, score_many, shutdown
 
 __all__ = [
     "BENCHES", "Problem", "avg_at_k", "bootstrap_ci", "count_reflections", "load_bench", "maj_at_k",
     "majority_votes", "pass_at_k", "pass_at_k_mean", "per_problem_accuracy", "reflection_rate", "repair_escapes",
+    "extract_boxed", "is_correct", "score_many", "shutdown",
 ]

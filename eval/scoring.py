@@ -24,6 +24,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
@@ -146,6 +147,7 @@ def _ping() -> int:
 _pool: ProcessPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
+_killed_pools: weakref.WeakSet = weakref.WeakSet()  # a future on one of these may never finish
 
 
 def _default_workers() -> int:
@@ -178,7 +180,8 @@ def _get_pool(min_workers: int) -> ProcessPoolExecutor:
 
 
 def _kill(pool: ProcessPoolExecutor) -> None:
-    """Kill a pool's worker processes at once; its unfinished futures then fail (BrokenProcessPool)."""
+    """Kill a pool's worker processes at once; its unfinished futures fail (BrokenProcessPool) or are abandoned."""
+    _killed_pools.add(pool)
     processes = list((getattr(pool, "_processes", None) or {}).values())  # no public API for this
     for process in processes:
         try:
@@ -238,27 +241,39 @@ def score_many(pairs: list[tuple[str, str]], *, timeout: float = 5.0, workers: i
     pending = deque(todo)
     tries = dict.fromkeys(todo, 0)
     in_flight: dict = {}  # future -> [position, pool, started_at or None]
+
+    def _retry(i: int, why: str) -> None:
+        logger.debug("re-running answer %d after %s (try %d)", i, why, tries[i])
+        if tries[i] < _MAX_TRIES:
+            pending.appendleft(i)
+
     try:
         while pending or in_flight:
             if pending and len(in_flight) < limit:
                 pool = _get_pool(limit)
                 while pending and len(in_flight) < limit:
+                    try:
+                        fut = pool.submit(_check_in_worker, *todo[pending[0]])
+                    except RuntimeError:  # another thread killed the pool just now: get a fresh one
+                        break
                     i = pending.popleft()
                     tries[i] += 1
-                    in_flight[pool.submit(_check_in_worker, *todo[i])] = [i, pool, None]
+                    in_flight[fut] = [i, pool, None]
 
             done, _ = wait(in_flight, timeout=_POLL_S, return_when=FIRST_COMPLETED)
             for fut in done:
                 i, _, _ = in_flight.pop(fut)
                 try:
                     results[i] = fut.result()  # the check itself never raises ...
-                except BaseException:  # ... so this is a dead or cancelled pool: run the answer again
-                    if tries[i] < _MAX_TRIES:
-                        pending.appendleft(i)
+                except BaseException as exc:  # ... so this is a dead or cancelled pool: run the answer again
+                    _retry(i, type(exc).__name__)
 
             now = time.monotonic()
             for fut, entry in list(in_flight.items()):
-                if entry[2] is None:
+                if entry[1] in _killed_pools:  # its pool was killed (by any thread) before it finished
+                    del in_flight[fut]
+                    _retry(entry[0], "killed pool")
+                elif entry[2] is None:
                     if fut.running():  # handed to a worker: its clock starts now
                         entry[2] = now
                 elif now - entry[2] > timeout:
