@@ -244,6 +244,85 @@ def run(
     console.print(f"wrote {out}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
 
 
+@app.command("eval")
+def eval_(
+    bench: str = typer.Option(..., "--bench", "-b", help="Benchmark: aime24, aime25, amc23, math500."),
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Model folder or hub id (default: the final checkpoint of the "
+                                             "training run in --out)."),
+    k: Optional[int] = typer.Option(None, "--k", help="Samples per problem (default: the protocol's)."),
+    protocol: str = typer.Option("stare", "--protocol", help="stare (k 32, T 1.0, top_p 0.7), dapo, r1 (T 0.6, "
+                                                            "top_p 0.95)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Overrides the protocol."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Overrides the protocol."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="vllm or hf (default: vllm when importable "
+                                                                  "with a GPU, else hf)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL/parquet with problem and "
+                                                                      "answer fields."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: evals/BENCH)."),
+    resume: bool = typer.Option(False, "--resume", help="Skip samples already in OUT/samples.jsonl."),
+) -> None:
+    """Evaluate a model on a math benchmark: avg@k, pass@k, maj@k with 95% bootstrap intervals.
+
+    Writes samples.jsonl (one line per sample, as each problem completes), summary.json and summary.md.
+    """
+    from stare.eval import BENCHES, load_bench
+    from stare.eval.harness import make_backend, resolve_protocol, run_eval
+
+    if bench not in BENCHES:
+        fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
+    if backend is not None and backend not in ("vllm", "hf"):
+        fail(f"unknown backend {backend!r}; valid backends: vllm, hf")
+    out_dir = out or Path("evals") / bench
+    if model is None:
+        final = out_dir / "final"
+        if out is not None and (out_dir / "config.yaml").exists() and (final / "config.json").exists():
+            model, out_dir = str(final), out_dir / f"eval-{bench}"
+        else:
+            fail("--model is required (or give --out a training run folder that has final/)")
+    elif not Path(model).exists() and model.count("/") != 1:
+        fail(f"model {model!r} is neither a folder nor a hub id (owner/name)")
+    try:
+        proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        problems = load_bench(bench, data_file=str(data_file) if data_file else None, limit=limit)
+    except ValueError as exc:
+        fail(str(exc))
+    if backend is None:
+        import importlib.util
+
+        import torch
+
+        backend = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
+    if backend == "vllm":
+        fail("the vllm backend is not part of this build yet; use --backend hf")
+    if (out_dir / "samples.jsonl").exists() and not resume:
+        fail(f"{out_dir} already holds samples; pass --resume to continue or use another --out (nothing was changed)")
+    _quiet_hf()
+    engine = make_backend(backend, model, tp)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(problems) * proto.k
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task(f"{bench} x {proto.k} samples", total=total)
+        summary = run_eval(problems, engine, proto, out_dir, bench=bench, model=model, seed=seed, resume=resume,
+                           progress=lambda n: progress.advance(task, n))
+    kk = summary["k"]
+    console.print(f"{bench} ({summary['n_problems']} problems, protocol {proto.name}): avg@{kk} "
+                  f"{summary['avg_at_k']:.4f}  pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} "
+                  f"{summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
+
+
+def _quiet_hf() -> None:
+    from .local.runner import _quiet
+
+    _quiet()
+
+
 def main() -> None:
     app()
 

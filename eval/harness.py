@@ -1,0 +1,210 @@
+"""The benchmark harness behind ``stare eval``: prompts, sampling, scoring, streaming, resume, summaries.
+
+One problem at a time: its k samples are generated in one call (seeded from ``seed`` and the problem's
+position, so a redone problem gives the same samples), scored with math-verify, and appended to
+``samples.jsonl`` before the next problem starts. ``--resume`` keeps every problem whose k samples are all
+on disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the
+problem in flight and ends with the same numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from .data import Problem
+from .metrics import bootstrap_ci, maj_at_k, majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
+from .scoring import extract_boxed, score_many
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    k: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    instruction: str = BOXED_INSTRUCTION
+
+
+PROTOCOLS = {
+    # the paper's: avg@32, temperature 1.0, top_p 0.7, short chain of thought
+    "stare": Protocol("stare", 32, 1.0, 0.7, 3072),
+    # DAPO's sampling (its own prompt asks for an "Answer:" line; here answers are boxed like the others)
+    "dapo": Protocol("dapo", 32, 1.0, 0.7, 20480),
+    # DeepSeek-R1's: temperature 0.6, top_p 0.95, long responses
+    "r1": Protocol("r1", 64, 0.6, 0.95, 32768),
+}
+
+
+def resolve_protocol(name: str, **overrides) -> Protocol:
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {name!r}; valid protocols: {', '.join(PROTOCOLS)}")
+    chosen = {k: v for k, v in overrides.items() if v is not None}
+    proto = replace(PROTOCOLS[name], **chosen)
+    if proto.k < 1:
+        raise ValueError(f"k must be >= 1, got {proto.k}")
+    if not 0 < proto.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {proto.top_p}")
+    if proto.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {proto.temperature}")
+    if proto.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {proto.max_tokens}")
+    return proto
+
+
+class HFBackend:
+    """Hugging Face transformers ``generate`` on CPU or one GPU; n samples per prompt in one call."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+
+    def prompt_text(self, problem: str, instruction: str) -> str:
+        content = f"{problem}\n{instruction}"
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return content
+
+    def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int]]:
+        torch = self.torch
+        enc = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
+        torch.manual_seed(seed)
+        sampling = proto.temperature > 0
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        with torch.no_grad():
+            out = self.model.generate(
+                **enc, do_sample=sampling, num_return_sequences=n, max_new_tokens=proto.max_tokens,
+                temperature=proto.temperature if sampling else None, top_p=proto.top_p if sampling else None,
+                top_k=0 if sampling else None, pad_token_id=pad)
+        results = []
+        eos = self.tokenizer.eos_token_id
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            ids = []
+            for t in row:
+                if t in (eos, pad):  # end of the sample, or the padding generate adds after it
+                    break
+                ids.append(t)
+            results.append((self.tokenizer.decode(ids, skip_special_tokens=True), len(ids)))
+        return results
+
+
+def make_backend(name: str, model_path: str, tp: int = 1):
+    if name == "hf":
+        return HFBackend(model_path)
+    raise ValueError("the vllm backend is not part of this build yet; use --backend hf")
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("transformers", "math-verify", "vllm", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:
+    """Problems whose k samples are all in ``samples.jsonl``; rewrites the file without partial problems."""
+    if not samples_path.exists():
+        return {}
+    rows: dict[str, list[dict]] = {}
+    for line in samples_path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        rows.setdefault(str(rec["problem_id"]), []).append(rec)
+    done = {pid: sorted(r, key=lambda x: x["sample_idx"]) for pid, r in rows.items()
+            if sorted(x["sample_idx"] for x in r) == list(range(k))}
+    tmp = samples_path.with_name(samples_path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(rec) + "\n" for recs in done.values() for rec in recs))
+    os.replace(tmp, samples_path)
+    return done
+
+
+def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, bench: str, model: str, seed: int,
+             resume: bool, progress=None, score_timeout: float = 5.0) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    samples_path = out / "samples.jsonl"
+    done = read_done(samples_path, proto.k) if resume else {}
+    if not resume and samples_path.exists():
+        samples_path.unlink()
+    results: dict[str, list[dict]] = dict(done)
+    with open(samples_path, "a") as f:
+        for i, p in enumerate(problems):
+            if p.id in results:
+                if progress:
+                    progress(proto.k)
+                continue
+            prompt = backend.prompt_text(p.problem, proto.instruction)
+            generated = backend.generate(prompt, proto.k, proto, seed * 1_000_003 + i)
+            correct = score_many([(text, p.answer) for text, _ in generated], timeout=score_timeout)
+            recs = [{"problem_id": p.id, "sample_idx": j, "response": text, "extracted": extract_boxed(text),
+                     "correct": bool(ok), "num_tokens": n_tok}
+                    for j, ((text, n_tok), ok) in enumerate(zip(generated, correct))]
+            f.write("".join(json.dumps(r) + "\n" for r in recs))
+            f.flush()
+            os.fsync(f.fileno())
+            results[p.id] = recs
+            if progress:
+                progress(proto.k)
+    return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out)
+
+
+def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path) -> dict:
+    ordered = [results[p.id] for p in problems]
+    correct = [[r["correct"] for r in recs] for recs in ordered]
+    extracted = [[r["extracted"] for r in recs] for recs in ordered]
+    k = proto.k
+    per_problem = per_problem_accuracy(correct)
+    per_pass = [pass_at_k(len(c), sum(c), k) for c in correct]
+    per_maj = [float(v) for v in majority_votes(extracted, correct)]
+    responses = [r["response"] for recs in ordered for r in recs]
+    tokens = [r["num_tokens"] for recs in ordered for r in recs]
+    summary = {
+        "bench": bench, "model": model, "backend": backend, "seed": seed, "k": k, "n_problems": len(problems),
+        "avg_at_k": sum(per_problem) / len(per_problem),
+        "pass_at_k": sum(per_pass) / len(per_pass),
+        "maj_at_k": maj_at_k(extracted, correct),
+        "ci95": {"avg_at_k": list(bootstrap_ci(per_problem)), "pass_at_k": list(bootstrap_ci(per_pass)),
+                 "maj_at_k": list(bootstrap_ci(per_maj))},
+        "mean_response_tokens": sum(tokens) / len(tokens),
+        "reflection_per_1k_tokens": reflection_rate(responses, tokens),
+        "protocol": asdict(proto),
+        "versions": _versions(),
+        "per_problem": [{"id": p.id, "accuracy": acc, "answer": p.answer} for p, acc in zip(problems, per_problem)],
+    }
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, out / "summary.json")
+    ci = summary["ci95"]
+    md = [f"# {bench}: {model}", "",
+          f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
+          f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems", "",
+          "| metric | value | 95% bootstrap interval |", "|---|---|---|",
+          f"| avg@{k} | {summary['avg_at_k']:.4f} | [{ci['avg_at_k'][0]:.4f}, {ci['avg_at_k'][1]:.4f}] |",
+          f"| pass@{k} | {summary['pass_at_k']:.4f} | [{ci['pass_at_k'][0]:.4f}, {ci['pass_at_k'][1]:.4f}] |",
+          f"| maj@{k} | {summary['maj_at_k']:.4f} | [{ci['maj_at_k'][0]:.4f}, {ci['maj_at_k'][1]:.4f}] |",
+          f"| mean response tokens | {summary['mean_response_tokens']:.1f} | |",
+          f"| reflection words per 1k tokens | {summary['reflection_per_1k_tokens']:.2f} | |",
+          "", "| problem | answer | accuracy |", "|---|---|---|"]
+    md += [f"| {row['id']} | {row['answer']} | {row['accuracy']:.3f} |" for row in summary["per_problem"]]
+    (out / "summary.md").write_text("\n".join(md) + "\n")
+    return summary

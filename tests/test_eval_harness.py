@@ -1,0 +1,144 @@
+"""`stare eval` end to end on the HF backend with a tiny random model, resume, and the summary's numbers."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stare.eval.data import Problem
+from stare.eval.harness import Protocol, run_eval
+
+
+def stare(*args):
+    return subprocess.run([sys.executable, "-m", "stare.cli.main", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random Llama with a BPE tokenizer trained here with `tokenizers` (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["Find the number of integers n. Please reason step by step, and put your final answer within "
+              "\\boxed{}. The answer is \\boxed{33}.", "0123456789 + - = ( ) { } \\frac"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    from tokenizers import decoders
+    tok.decoder = decoders.ByteLevel()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                     unk_token="<unk>")
+    hf_tok.save_pretrained(folder)
+    import torch
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "mini.jsonl"
+    rows = [{"id": "p1", "problem": "What is 1+1?", "answer": "2"},
+            {"id": "p2", "problem": "What is 2+3?", "answer": "5"},
+            {"id": "p3", "problem": "Find 033.", "answer": "33"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_end_to_end_and_resume(tiny_model, data_file, tmp_path):
+    out = tmp_path / "ev"
+    args = ["eval", "--bench", "aime25", "--model", str(tiny_model), "--data-file", str(data_file), "--k", "2",
+            "--max-tokens", "6", "--backend", "hf", "--out", str(out)]
+    res = stare(*args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    assert len(rows) == 6
+    assert {"problem_id", "sample_idx", "response", "extracted", "correct", "num_tokens"} <= set(rows[0])
+    assert [(r["problem_id"], r["sample_idx"]) for r in rows] == [(p, i) for p in ("p1", "p2", "p3") for i in (0, 1)]
+    assert all(0 <= r["num_tokens"] <= 6 for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bench"] == "aime25" and summary["k"] == 2 and summary["n_problems"] == 3
+    assert summary["protocol"]["name"] == "stare" and summary["protocol"]["temperature"] == 1.0
+    assert summary["protocol"]["top_p"] == 0.7 and summary["protocol"]["max_tokens"] == 6
+    assert {"avg_at_k", "pass_at_k", "maj_at_k", "ci95", "versions"} <= set(summary)
+    assert summary["versions"]["transformers"] and (out / "summary.md").exists()
+    # a second run without --resume changes nothing
+    assert stare(*args).returncode == 2 and (out / "samples.jsonl").read_text().splitlines() == lines
+    # a run killed mid-problem: one problem complete, one half-written, a cut line; resume redoes the rest
+    (out / "samples.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    res = stare(*args, "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "samples.jsonl").read_text().splitlines() == lines
+    again = json.loads((out / "summary.json").read_text())
+    for key in ("avg_at_k", "pass_at_k", "maj_at_k", "ci95", "mean_response_tokens"):
+        assert again[key] == summary[key]
+
+
+class ScriptedBackend:
+    """Returns fixed responses per problem, so the summary can be checked by hand."""
+
+    name = "scripted"
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def prompt_text(self, problem, instruction):
+        return problem
+
+    def generate(self, prompt, n, proto, seed):
+        return [(f"so \\boxed{{{a}}}" if a is not None else "no idea", 4) for a in self.answers[prompt]]
+
+
+def test_summary_numbers_by_hand(tmp_path):
+    problems = [Problem("a", "qa", "12"), Problem("b", "qb", "7"), Problem("c", "qc", "1/2")]
+    backend = ScriptedBackend({"qa": ["12", "012", "13", None],      # 2 of 4 right; majority 12 (right)
+                               "qb": ["8", "8", "7", "9"],           # 1 of 4; majority 8 (wrong)
+                               "qc": ["0.5", "\\frac12", "1/2", "2"]})  # 3 of 4; majority 0.5 (right)
+    proto = Protocol("stare", 4, 1.0, 0.7, 16)
+    s = run_eval(problems, backend, proto, tmp_path, bench="aime24", model="scripted", seed=0, resume=False)
+    assert s["avg_at_k"] == pytest.approx((2 / 4 + 1 / 4 + 3 / 4) / 3)
+    assert s["pass_at_k"] == pytest.approx(1.0)  # every problem has a right sample among its 4
+    assert s["maj_at_k"] == pytest.approx(2 / 3)
+    lo, hi = s["ci95"]["avg_at_k"]
+    assert 0.25 <= lo <= s["avg_at_k"] <= hi <= 0.75
+    assert s["mean_response_tokens"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bench", "aime26", "--model", "x/y"], "unknown bench 'aime26'; valid benches: aime24, aime25"),
+    (["--bench", "aime25"], "--model is required"),
+    (["--bench", "aime25", "--model", "x/y", "--protocol", "greedy"], "unknown protocol 'greedy'"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, args, message):
+    res = stare("eval", *args, "--out", str(tmp_path / "o"))
+    assert res.returncode == 2, res.stderr
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
+
+
+def test_malformed_data_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "x", "answer": "1"}\n{not json\n')
+    res = stare("eval", "--bench", "aime24", "--model", "x/y", "--data-file", str(bad), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and "bad.jsonl:2: malformed JSON line" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_eval_of_a_training_run_uses_its_final_checkpoint(tmp_path, data_file):
+    run = tmp_path / "run"
+    sets = ["steps=1", "warmstart_steps=5", "eval_problems=4", "prompts_per_step=2", "samples_per_prompt=2",
+            "train_problems=50"]
+    res = stare("train", "--preset", "tiny-cpu", "--algo", "grpo", "--out", str(run), *sum((["--set", s] for s in sets), []))
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = stare("eval", "--bench", "aime24", "--out", str(run), "--data-file", str(data_file), "--k", "2",
+                "--max-tokens", "4", "--backend", "hf")
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((run / "eval-aime24" / "summary.json").read_text())
+    assert summary["model"] == str(run / "final") and summary["n_problems"] == 3
