@@ -317,6 +317,25 @@ def eval_(
                   f"{summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
 
 
+@app.command()
+def compare(
+    dirs: List[Path] = typer.Argument(..., help="Training runs, eval outputs, or folders holding runs."),
+    out: Path = typer.Option(Path("comparison"), "--out", "-o", help="Where the tables and plots go."),
+) -> None:
+    """Compare training runs and evaluations: comparison.md/.csv and entropy, reward, response-length and
+    reflection plots against training step (one line per run, the target band shaded). Missing pieces are
+    blank, never invented."""
+    from .compare import compare as run_compare
+
+    try:
+        rows = run_compare(list(dirs), out)
+    except ValueError as exc:
+        fail(str(exc))
+    console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"{len(rows)} row(s) -> {out}/comparison.md, comparison.csv" +
+                  (", plots" if (out / "entropy.png").exists() else ""))
+
+
 def _quiet_hf() -> None:
     from .local.runner import _quiet
 

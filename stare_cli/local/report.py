@@ -444,8 +444,14 @@ def _smoothed(run: Run, key: str) -> dict[int, float]:
     return out
 
 
-def plot_curves(out_dir, runs: list[Run]) -> list[Path]:
-    """Write entropy.png, reward.png and response_length.png in ``out_dir``; returns their paths.
+CURVES = (("entropy", "mean token entropy", "entropy.png"),
+          ("reward_mean", "mean reward", "reward.png"),
+          ("response_length", "mean response length (tokens)", "response_length.png"))
+
+
+def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
+    """Write entropy.png, reward.png and response_length.png (or ``curves``: (metric key, axis label, file name)
+    triples) in ``out_dir``; returns their paths.
 
     One line per arm: the mean over seeds of each seed's trailing 5-step mean, with a light min..max band over
     the seeds when there are several; the target entropy band is shaded on entropy.png.
@@ -464,9 +470,7 @@ def plot_curves(out_dir, runs: list[Run]) -> list[Path]:
     preset = _common(r.config.get("preset") for r in runs)
     task = _common((r.config.get("settings") or {}).get("task") for r in runs)
     written = []
-    for key, label, filename in (("entropy", "mean token entropy", "entropy.png"),
-                                 ("reward_mean", "mean reward", "reward.png"),
-                                 ("response_length", "mean response length (tokens)", "response_length.png")):
+    for key, label, filename in curves:
         fig = Figure(figsize=(7, 4), dpi=110)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
