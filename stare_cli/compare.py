@@ -17,10 +17,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from stare.cli.local.report import CURVES, _band, _mean, _tail, _values, load_run, plot_curves
+from stare.cli.local.report import (CURVES, FINAL_PCT, LATE_PCT, _band, _mean, _tail, _values, band_share, load_run,
+                                    plot_curves)
 
 BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
-FINAL_PCT, LATE_PCT = 10, 25
 
 
 def _is_run(path: Path) -> bool:
@@ -72,14 +72,11 @@ def compare(paths: list[Path], out: Path) -> list[dict]:
         label = f"{run.algo} ({d})"
         runs.append(replace(run, algo=label))
         late = _tail(run.metrics, LATE_PCT)
-        band = _band(run)
-        late_h = _values(late, "entropy")
         summaries = [_read_summary(e) for e in sorted(d.glob("eval-*")) if (e / "summary.json").is_file()]
         rows.append({"run": str(d), "algorithm": run.algo,
                      "model": (run.config.get("settings") or {}).get("model"),
                      "final_entropy": _mean(_values(_tail(run.metrics, FINAL_PCT), "entropy")),
-                     "band_share": (sum(band[0] <= h <= band[1] for h in late_h) / len(late_h)) if band and late_h
-                     else None,
+                     "band_share": band_share(_band(run), _values(late, "entropy")),
                      "response_length": _mean(_values(late, "response_length")),
                      "benches": _bench_cells(summaries)})
     for e in eval_dirs:

@@ -301,7 +301,9 @@ def eval_(
         fail("the vllm backend is not part of this build yet; use --backend hf")
     if (out_dir / "samples.jsonl").exists() and not resume:
         fail(f"{out_dir} already holds samples; pass --resume to continue or use another --out (nothing was changed)")
-    _quiet_hf()
+    from .local.runner import _quiet
+
+    _quiet()
     engine = make_backend(backend, model, tp)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -334,12 +336,6 @@ def compare(
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"{len(rows)} row(s) -> {out}/comparison.md, comparison.csv" +
                   (", plots" if (out / "entropy.png").exists() else ""))
-
-
-def _quiet_hf() -> None:
-    from .local.runner import _quiet
-
-    _quiet()
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from stare.eval import pass_at_k
+from stare.eval import avg_at_k, pass_at_k_mean
 
 from .policy import encode_prompts, sample
 from .tasks import Task
@@ -30,8 +30,8 @@ def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, se
             return {}
         return {
             "n_problems": len(rows),
-            f"avg_at_{k}": sum(sum(correct[i]) / k for i in rows) / len(rows),
-            f"pass_at_{k}": sum(pass_at_k(k, int(sum(correct[i])), k) for i in rows) / len(rows),
+            f"avg_at_{k}": avg_at_k([correct[i] for i in rows]),
+            f"pass_at_{k}": pass_at_k_mean([correct[i] for i in rows], k),
             "greedy_accuracy": sum(greedy[i] for i in rows) / len(rows),
         }
 

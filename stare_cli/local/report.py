@@ -145,6 +145,13 @@ def _band(run: Run) -> tuple[float, float] | None:
     return None if low is None or high is None else (low, high)
 
 
+def band_share(band: tuple[float, float] | None, entropies: list[float]) -> float | None:
+    """Share of ``entropies`` inside ``band`` (None when there is no band or no value)."""
+    if not band or not entropies:
+        return None
+    return sum(band[0] <= h <= band[1] for h in entropies) / len(entropies)
+
+
 def _held_out(result: dict | None, k: int | None) -> dict:
     """avg@k, pass@k and greedy accuracy of one eval.json block (None where absent)."""
     result = result if isinstance(result, dict) else {}
@@ -168,7 +175,7 @@ def run_measures(run: Run) -> dict:
         "start_entropy": start,
         "late_entropy": late_mean,
         "late_start_ratio": late_mean / start if late_mean is not None and start else None,
-        "band_share": (sum(band[0] <= h <= band[1] for h in late_h) / len(late_h)) if band and late_h else None,
+        "band_share": band_share(band, late_h),
         "late_reward_slope": _slope_per_100(_tail(m, SLOPE_PCT), "reward_mean"),
         **held,
         **{f"hard_{name}": v for name, v in hard.items()},
