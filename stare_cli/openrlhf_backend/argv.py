@@ -1,0 +1,245 @@
+"""From a resolved preset + algorithm to an OpenRLHF 0.11.2 ``train_ppo_ray`` argument list.
+
+Pure data work, no import of OpenRLHF or Ray: ``stare train --dry-run`` prints what this builds, and the tests
+feed every preset x algorithm through OpenRLHF's real parser.
+
+What goes where:
+- Everything OpenRLHF has a flag for (model, data, batch sizes, lengths, clip range, dual clip, loss
+  aggregation, dynamic filtering, overlong shaping, Ray/vLLM/DeepSpeed layout) is a flag in ``openrlhf_argv``.
+- STARE's own settings (selection, W/M, controller, scope) have no OpenRLHF flag, and its parser rejects
+  unknown flags, so they travel to the workers as JSON in the ``STARE_SETTINGS`` environment variable (set in
+  the Ray runtime environment). Baselines get the same plugin with ``stare: false``: their loss is OpenRLHF's
+  own, and they log the same entropy telemetry, so curves compare like with like.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+SETTINGS_ENV = "STARE_SETTINGS"
+REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
+PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
+
+# The settings an ``openrlhf`` preset may hold: name -> (type, default). ``...`` marks a required setting.
+# Types are checked on load; ``float`` also accepts an int.
+SCHEMA: dict[str, tuple[type, object]] = {
+    "model": (str, ...),  # hub id or path of the policy to train
+    "cold_start_checkpoint": (str, ""),  # when set, training starts from it instead of ``model`` (SFT'd policy)
+    "data": (str, ...),  # training prompts: hub id, or a local .jsonl/.json/.parquet path
+    "data_split": (str, "train"),
+    "prompt_template": (str, ...),  # must contain {problem}
+    "apply_chat_template": (bool, True),
+    "samples_per_prompt": (int, ...),  # rollout n (G)
+    "prompts_per_step": (int, ...),  # prompts per RL step (rollout batch)
+    "train_batch_size": (int, ...),  # sequences per optimizer step (global)
+    "micro_batch_size": (int, 1),  # sequences per GPU per forward/backward
+    "rollout_micro_batch_size": (int, 4),  # sequences per GPU per log-prob forward
+    "max_prompt_len": (int, ...),
+    "max_response_len": (int, ...),
+    "lr": (float, ...),
+    "warmup_ratio": (float, 0.0),
+    "grad_clip": (float, 1.0),
+    "kl_coef": (float, 0.0),  # 0: no reference model, no KL (the paper's recipe)
+    "temperature": (float, 1.0),
+    "top_p": (float, 1.0),
+    "episodes": (int, 1),  # passes over the prompt set
+    "seed": (int, 42),
+    "gpus_per_node": (int, ...),
+    "nodes": (int, ...),
+    "vllm_engines": (int, ...),
+    "vllm_tensor_parallel": (int, ...),
+    "vllm_gpu_memory_utilization": (float, 0.6),
+    "colocate": (bool, True),  # actor and vLLM share the GPUs (sleep mode)
+    "zero_stage": (int, 3),
+    "gradient_checkpointing": (bool, True),
+    "packing": (bool, True),  # packed sequences + token-budget micro-batches (needs flash-attn)
+    "max_tokens_per_gpu": (int, 16384),
+    "save_steps": (int, 10),
+    "max_checkpoints": (int, 2),
+    "reward_timeout_s": (float, 5.0),
+    "wandb_project": (str, ""),  # non-empty: log to W&B too (key from $WANDB_API_KEY at launch)
+    # multi-turn tool use (the qwen-7b-tool-use preset)
+    "agent": (str, ""),  # "" (single turn) | "python" (sandboxed Python tool agent)
+    "tool_max_turns": (int, 4),
+    "tool_timeout_s": (float, 10.0),
+}
+AGENTS = ("", "python")
+
+# Our loss aggregations -> OpenRLHF's --actor.loss_agg_mode (Dr.GRPO's constant-length sum has no OpenRLHF
+# mode; token-mean is the nearest, and the dry-run says so in "notes").
+AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+             "seq-mean-token-sum-norm": "token-mean"}
+
+
+class SettingsError(ValueError):
+    """A preset's settings do not fit the schema (the CLI exits with code 2)."""
+
+
+def check_settings(settings: dict, source: str) -> dict:
+    """Type-check an openrlhf preset's settings and fill defaults. Returns a new dict."""
+    unknown = sorted(set(settings) - set(SCHEMA))
+    if unknown:
+        raise SettingsError(f"preset {source}: unknown setting {unknown[0]!r}; valid settings: {', '.join(SCHEMA)}")
+    out = {}
+    for key, (typ, default) in SCHEMA.items():
+        if key not in settings:
+            if default is ...:
+                raise SettingsError(f"preset {source} is missing the setting {key!r} ({typ.__name__})")
+            out[key] = default
+            continue
+        value = settings[key]
+        ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise SettingsError(f"preset {source}: setting {key!r} must be {typ.__name__}, got {value!r}")
+        out[key] = value
+    if "{problem}" not in out["prompt_template"]:
+        raise SettingsError(f"preset {source}: prompt_template must contain {{problem}}, got {out['prompt_template']!r}")
+    for key in ("samples_per_prompt", "prompts_per_step", "train_batch_size", "micro_batch_size",
+                "rollout_micro_batch_size", "max_prompt_len", "max_response_len", "episodes", "gpus_per_node",
+                "nodes", "vllm_engines", "vllm_tensor_parallel", "max_tokens_per_gpu", "max_checkpoints"):
+        if out[key] < 1:
+            raise SettingsError(f"preset {source}: setting {key!r} must be >= 1, got {out[key]}")
+    if out["agent"] not in AGENTS:
+        raise SettingsError(f"preset {source}: unknown agent {out['agent']!r}; valid agents: '' (none), python")
+    if out["zero_stage"] not in (0, 1, 2, 3):
+        raise SettingsError(f"preset {source}: zero_stage must be 0, 1, 2 or 3, got {out['zero_stage']}")
+    if not 0 < out["vllm_gpu_memory_utilization"] <= 1:
+        raise SettingsError(f"preset {source}: vllm_gpu_memory_utilization must be in (0, 1], "
+                            f"got {out['vllm_gpu_memory_utilization']}")
+    gpus = out["gpus_per_node"] * out["nodes"]
+    if out["colocate"] and out["vllm_engines"] * out["vllm_tensor_parallel"] != gpus:
+        raise SettingsError(f"preset {source}: with colocate, vllm_engines x vllm_tensor_parallel "
+                            f"({out['vllm_engines']} x {out['vllm_tensor_parallel']}) must equal the GPUs ({gpus})")
+    rollout = out["prompts_per_step"] * out["samples_per_prompt"]
+    if rollout % out["train_batch_size"]:
+        raise SettingsError(f"preset {source}: prompts_per_step x samples_per_prompt ({rollout}) must be a multiple "
+                            f"of train_batch_size ({out['train_batch_size']})")
+    return out
+
+
+def _fmt(value) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = None, reward_file: str,
+                 agent_file: str | None = None) -> dict:
+    """The launch plan for one run: ``openrlhf_argv``, ``command``, ``stare``, ``ray`` (and ``notes``).
+
+    ``resolved`` is what ``stare.cli.presets.resolve`` returns for an openrlhf preset; ``out`` the run
+    directory (checkpoints, final model, TensorBoard logs and the prepared prompt file live under it).
+    """
+    s = resolved["settings"]
+    algo = resolved["algo"]
+    out = Path(out)
+    notes: list[str] = []
+    run_name = f"{resolved['preset']}-{algo['name']}"
+    a: list[str] = []
+
+    def flag(name: str, *values) -> None:
+        a.append(f"--{name}")
+        a.extend(_fmt(v) for v in values)
+
+    # model and data
+    if s["agent"] and not s["cold_start_checkpoint"]:
+        raise SettingsError(f"preset {resolved['preset']!r} trains a tool agent from a cold-start SFT checkpoint; "
+                            "pass --set cold_start_checkpoint=PATH (a folder or hub id)")
+    flag("actor.model_name_or_path", s["cold_start_checkpoint"] or s["model"])
+    flag("data.prompt_dataset", str(out / PROMPT_FILE))
+    flag("data.input_key", "prompt")
+    flag("data.label_key", "label")
+    if s["apply_chat_template"]:
+        flag("data.apply_chat_template")
+    flag("data.max_len", s["max_prompt_len"] + s["max_response_len"])
+    # reward: math-verify on the last boxed answer (or the tool agent, which scores the same way)
+    if s["agent"]:
+        flag("train.agent_func_path", agent_file)
+    else:
+        flag("reward.remote_url", reward_file)
+    # rollout
+    flag("rollout.n_samples_per_prompt", s["samples_per_prompt"])
+    flag("rollout.batch_size", s["prompts_per_step"])
+    flag("rollout.micro_batch_size", s["rollout_micro_batch_size"])
+    flag("rollout.max_new_tokens", s["max_response_len"])
+    flag("rollout.temperature", s["temperature"])
+    flag("rollout.top_p", s["top_p"])
+    # optimisation
+    flag("train.batch_size", s["train_batch_size"])
+    flag("train.micro_batch_size", s["micro_batch_size"])
+    flag("train.max_epochs", 1)
+    flag("train.num_episodes", s["episodes"])
+    flag("train.seed", s["seed"])
+    flag("actor.adam.lr", s["lr"])
+    flag("actor.lr_warmup_ratio", s["warmup_ratio"])
+    flag("actor.max_norm", s["grad_clip"])
+    # the algorithm
+    flag("algo.advantage.estimator", "group_norm" if algo["std_norm"] else "dr_grpo")
+    flag("actor.eps_clip_low_high", algo["clip_low"], algo["clip_high"])
+    if algo["dual_clip"] is not None:
+        flag("actor.dual_clip", algo["dual_clip"])
+    flag("actor.loss_agg_mode", AGG_MODES[algo["agg"]])
+    if algo["agg"] == "seq-mean-token-sum-norm":
+        notes.append("OpenRLHF has no seq-mean-token-sum-norm aggregation; Dr.GRPO runs with token-mean")
+    if algo["dynamic_sampling"]:
+        flag("algo.dynamic_filtering_enable")
+        flag("algo.dynamic_filtering_range", 0.0, 1.0)
+    if algo["overlong_shaping"]:
+        flag("reward.overlong_buffer_len", algo["overlong_buffer_len"])
+        flag("reward.overlong_penalty_factor", algo["overlong_penalty"])
+    flag("algo.kl.init_coef", s["kl_coef"])
+    if s["kl_coef"] > 0:
+        flag("algo.kl.use_loss")
+        flag("algo.kl.estimator", "k3")
+        flag("ref.num_nodes", s["nodes"])
+        flag("ref.num_gpus_per_node", s["gpus_per_node"])
+    # hardware layout
+    flag("actor.num_nodes", s["nodes"])
+    flag("actor.num_gpus_per_node", s["gpus_per_node"])
+    flag("vllm.num_engines", s["vllm_engines"])
+    flag("vllm.tensor_parallel_size", s["vllm_tensor_parallel"])
+    flag("vllm.gpu_memory_utilization", s["vllm_gpu_memory_utilization"])
+    if s["colocate"]:
+        flag("train.colocate_all")
+        flag("vllm.enable_sleep")
+        flag("ds.enable_sleep")
+    flag("ds.zero_stage", s["zero_stage"])
+    flag("ds.param_dtype", "bf16")
+    if s["gradient_checkpointing"]:
+        flag("actor.gradient_checkpointing_enable")
+    if s["packing"]:
+        flag("ds.packing_samples")
+        flag("train.dynamic_batch_enable")
+        flag("train.max_tokens_per_gpu", s["max_tokens_per_gpu"])
+    # outputs: checkpoints (resumed automatically when present), final model, logs
+    flag("ckpt.path", str(out / "ckpt"))
+    flag("ckpt.save_steps", s["save_steps"])
+    flag("ckpt.max_num", s["max_checkpoints"])
+    flag("ckpt.load_enable")
+    flag("ckpt.output_dir", str(out / "final"))
+    flag("logger.tensorboard_dir", str(out / "tensorboard"))
+    flag("logger.wandb.run_name", run_name)
+    if s["wandb_project"]:
+        flag("logger.wandb.project", s["wandb_project"])
+        flag("logger.wandb.key", "${WANDB_API_KEY}")  # substituted from the environment at launch
+
+    stare = {}
+    if algo["stare"]:
+        stare = {k: algo[k] for k in ("name", "selection", "variant", "top_ratio", "w", "m", "damp", "phi_cap",
+                                      "scope", "controller", "target_entropy", "adaptive", "alpha", "w_max",
+                                      "m_min", "band_low", "band_high", "band_target", "gain", "two_sided")}
+    env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
+           REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
+           "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    if s["agent"]:
+        env["STARE_TOOL_MAX_TURNS"] = str(s["tool_max_turns"])
+        env["STARE_TOOL_TIMEOUT_S"] = _fmt(s["tool_timeout_s"])
+    ray = {"address": ray_address, "start_local_head": not ray_address,  # no address: a head starts here
+           "runtime_env": {"env_vars": env}}
+    env_prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    if ray_address:
+        env_prefix = f"RAY_ADDRESS={shlex.quote(ray_address)} " + env_prefix
+    command = f"{env_prefix} python -m stare.cli.openrlhf_backend.launch " + shlex.join(a)
+    return {"openrlhf_argv": a, "command": command, "stare": stare, "ray": ray, "notes": notes,
+            "preset": resolved["preset"], "algo": algo["name"], "out": str(out)}

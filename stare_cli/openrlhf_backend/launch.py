@@ -1,0 +1,135 @@
+"""The driver of an OpenRLHF run with STARE: Ray, plugin registration, then OpenRLHF's own CLI.
+
+``stare train`` calls ``launch``; the ``command`` printed by ``stare train --dry-run`` runs this module
+directly (``python -m stare.cli.openrlhf_backend.launch <openrlhf args>``) with the same environment, so a user
+can paste it, edit a flag, or hand it to ``ray job submit``.
+
+The STARE settings are read from ``STARE_SETTINGS`` here only to check them early; the workers read the same
+variable from the Ray runtime environment.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .argv import PROMPT_FILE, REWARD_TIMEOUT_ENV, SETTINGS_ENV, build_launch
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REWARD_FILE = PACKAGE_DIR / "reward.py"
+AGENT_FILE = PACKAGE_DIR.parent / "agent" / "python_agent.py"
+
+OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
+WANDB_PLACEHOLDER = "${WANDB_API_KEY}"
+# variables the workers need; passed in the Ray runtime environment
+FORWARDED_ENV = (SETTINGS_ENV, REWARD_TIMEOUT_ENV, "STARE_TOOL_MAX_TURNS", "STARE_TOOL_TIMEOUT_S",
+                 "TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "HF_HOME",
+                 "HF_TOKEN", "HF_HUB_OFFLINE", "WANDB_API_KEY")
+
+
+class LaunchError(RuntimeError):
+    """Something the user can fix before anything starts (the CLI exits with code 2)."""
+
+
+def check_ray_address(address: str, timeout: float = 3.0) -> None:
+    """Fail early and clearly when a given Ray address cannot be reached (``auto`` is left to Ray)."""
+    if address == "auto":
+        return
+    check_address_syntax(address)
+    url = urlparse(address if "://" in address else f"ray://{address}")
+    host, port = url.hostname, url.port
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise LaunchError(f"cannot reach the Ray cluster at {address!r} ({exc.strerror or exc}); start it with "
+                          "`ray start --head` on the head node, or omit --ray-address to start one here") from None
+
+
+def check_address_syntax(address: str) -> None:
+    if address == "auto":
+        return
+    url = urlparse(address if "://" in address else f"ray://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if not url.hostname or not port:
+        raise LaunchError(f"--ray-address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379, ray://head:10001, auto)")
+
+
+def plan(resolved: dict, out, ray_address: str | None = None) -> dict:
+    """What ``stare train`` will run (and ``--dry-run`` prints): see ``argv.build_launch``."""
+    if ray_address:
+        check_address_syntax(ray_address)
+    # absolute: Ray workers do not share the driver's working directory
+    return build_launch(resolved, Path(out).absolute(), ray_address=ray_address, reward_file=str(REWARD_FILE),
+                        agent_file=str(AGENT_FILE))
+
+
+def start(resolved: dict, launch_plan: dict, *, log=print) -> None:
+    """Prepare the prompt file, export the workers' environment, launch. The run folder already exists."""
+    from .data import prepare_prompts
+
+    out = Path(launch_plan["out"])
+    s = resolved["settings"]
+    log(f"training prompts: {s['data']} -> {out / PROMPT_FILE}")
+    try:
+        info = prepare_prompts(s["data"], s["prompt_template"], out / PROMPT_FILE, split=s["data_split"])
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    log(f"  {info['problems']} problems (from {info['rows']} rows)")
+    (out / "command.sh").write_text("#!/usr/bin/env bash\n" + launch_plan["command"] + "\n")
+    os.environ.update(launch_plan["ray"]["runtime_env"]["env_vars"])
+    launch(launch_plan["openrlhf_argv"], ray_address=launch_plan["ray"]["address"])
+
+
+def runtime_env(environ=None) -> dict:
+    environ = os.environ if environ is None else environ
+    return {"env_vars": {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}}
+
+
+def substitute_secrets(argv: list[str], environ=None) -> list[str]:
+    environ = os.environ if environ is None else environ
+    if WANDB_PLACEHOLDER not in argv:
+        return list(argv)
+    key = environ.get("WANDB_API_KEY")
+    if not key:
+        raise LaunchError("wandb_project is set but WANDB_API_KEY is not in the environment")
+    return [key if a == WANDB_PLACEHOLDER else a for a in argv]
+
+
+def launch(argv: list[str], *, ray_address: str | None = None, environ=None) -> None:
+    """Start Ray (or join ``ray_address``), register the STARE actor, run OpenRLHF's train_ppo_ray."""
+    from . import plugin  # checks the OpenRLHF version on import
+
+    plugin.load_settings(environ)  # fail here, not in a worker, on bad settings
+    argv = substitute_secrets(argv, environ)
+    import ray
+
+    if ray_address:
+        check_ray_address(ray_address)
+    if not ray.is_initialized():
+        ray.init(address=ray_address or None, runtime_env=runtime_env(environ))
+    plugin.register()
+    saved = sys.argv
+    sys.argv = [OPENRLHF_MODULE, *argv]
+    try:
+        runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved
+
+
+def main() -> None:
+    try:
+        launch(sys.argv[1:], ray_address=os.environ.get("RAY_ADDRESS") or None)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Stand-ins for ``flash_attn`` and ``vllm``, so OpenRLHF 0.11.2's trainer modules import on a CPU machine.
+
+Only tests use this (installed into ``sys.modules`` of the test process). Each stand-in raises if it is
+ever called: the code paths the tests run must not reach flash-attn kernels or a vLLM engine.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+MODULES = (
+    "flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed",
+    "vllm", "vllm.inputs", "vllm.utils", "vllm.distributed", "vllm.distributed.device_communicators",
+    "vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils",
+)
+
+
+def _unavailable(name: str):
+    def call(*args, **kwargs):
+        raise RuntimeError(f"{name} is a test stand-in; this code path needs the real package")
+
+    call.__name__ = name.rsplit(".", 1)[-1]
+    return call
+
+
+def _stub_class(name: str):
+    return type(name.rsplit(".", 1)[-1], (), {"__init__": _unavailable(name)})
+
+
+def install() -> None:
+    """Put the stand-ins into ``sys.modules`` (no-op for a module that really is installed)."""
+    attrs = {
+        "flash_attn.bert_padding": ["index_first_axis", "pad_input", "rearrange", "unpad_input"],
+        "flash_attn.utils.distributed": ["all_gather"],
+        "vllm.utils": ["random_uuid"],
+    }
+    classes = {
+        "vllm": ["SamplingParams", "LLM"],
+        "vllm.inputs": ["TokensPrompt"],
+        "vllm.distributed.device_communicators.pynccl": ["PyNcclCommunicator"],
+        "vllm.distributed.utils": ["StatelessProcessGroup"],
+    }
+    for name in MODULES:
+        root = name.split(".")[0]
+        if root in sys.modules and not getattr(sys.modules[root], "__stare_standin__", False):
+            continue
+        if name in sys.modules:
+            continue
+        mod = types.ModuleType(name)
+        mod.__stare_standin__ = True
+        mod.__path__ = []  # a package, so submodules import
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        for attr in attrs.get(name, []):
+            setattr(mod, attr, _unavailable(f"{name}.{attr}"))
+        for cls in classes.get(name, []):
+            setattr(mod, cls, _stub_class(f"{name}.{cls}"))
+        if name == "vllm":
+            mod.__version__ = "0.29.0"
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, mod)

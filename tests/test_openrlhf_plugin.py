@@ -1,0 +1,325 @@
+"""The STARE plugin inside OpenRLHF 0.11.2's real ActorPPOTrainer, on the CPU with a tiny random Llama.
+
+OpenRLHF is installed without flash-attn and vLLM; stand-ins for those two modules exist in this test process
+only. DeepSpeed's engine is replaced by a small strategy object that does what DeepSpeed does to the loss
+(divide by the accumulation steps) and never steps the optimizer, so the gradients accumulated over a whole
+RL step can be compared with references computed independently.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("openrlhf")
+pytest.importorskip("deepspeed")
+import openrlhf_standins  # noqa: E402
+
+openrlhf_standins.install()
+from openrlhf.models import Actor  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.trainer.ray import ppo_actor  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from stare.algorithms import get_algorithm  # noqa: E402
+from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend.argv import SETTINGS_ENV  # noqa: E402
+
+V, PROMPT, RESP, B = 48, 4, 7, 8  # vocabulary, prompt length, longest response, sequences
+
+
+def _args(agg="token-mean", clip=(0.2, 0.28), dual_clip=10.0):
+    ns = SimpleNamespace
+    return ns(
+        train=ns(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False,
+                 max_tokens_per_gpu=4096),
+        actor=ns(eps_clip_low_high=clip, dual_clip=dual_clip, loss_agg_mode=agg, policy_loss_type="ppo",
+                 aux_loss_coef=0.0, entropy_coef=None),
+        algo=ns(advantage=ns(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
+                             is_correction_threshold=(0.5, 5.0)),
+                kl=ns(use_loss=False, init_coef=0.0)),
+        ds=ns(packing_samples=False, tensor_parallel_size=1),
+        vllm=ns(sync_backend="nccl"),
+    )
+
+
+class _Strategy:
+    """What ActorPPOTrainer needs of DeepSpeedStrategy: backward divides by the accumulation steps."""
+
+    ring_attn_group = None
+
+    def __init__(self, args, gas=1):
+        self.args, self.accumulated_gradient = args, gas
+
+    def backward(self, loss, model, optimizer):
+        (loss / self.accumulated_gradient).backward()
+
+    def optimizer_step(self, *a, **k):
+        pass  # gradients accumulate over the whole step; the tests compare them
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+    def all_reduce(self, data, op="mean"):
+        return data
+
+    def is_rank_0(self):
+        return True
+
+    def print(self, *a):
+        pass
+
+
+class _Sched:
+    def get_last_lr(self):
+        return [0.0]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _trainer(monkeypatch, model, args, gas=1):
+    monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    actor = Actor(model)
+    actor.packing_samples = False
+    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
+    trainer = ppo_actor.ActorPPOTrainer(_Strategy(args, gas), actor, None, optim, _Sched(),
+                                        micro_train_batch_size=2, buffer_cpu_offload=False,
+                                        dataloader_pin_memory=False)
+    return trainer
+
+
+def _experience(model, seed=1):
+    """B sequences (2 prompts x 4 samples), right-padded responses, old log-probs off-policy by noise."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 5, 6, 3, 7, 4, 7, 6])
+    seq = torch.randint(1, V, (B, PROMPT + RESP), generator=g)
+    attn = torch.ones(B, PROMPT + RESP, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        attn[i, PROMPT + n:] = 0
+        seq[i, PROMPT + n:] = 0
+    action_mask = attn[:, 1:][:, -RESP:].bool()
+    with torch.no_grad():
+        logits = model(seq, attention_mask=attn).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, seq[:, 1:, None]).squeeze(-1)[:, -RESP:]
+    old = (logp + 0.1 * torch.randn(logp.shape, generator=g)) * action_mask
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    r = rewards.view(2, 4)
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+    advantages = adv[:, None].expand(B, RESP) * action_mask
+    return Experience(sequences=seq, attention_mask=attn, action_mask=action_mask, action_log_probs=old,
+                      advantages=advantages.float().contiguous(), response_length=lengths.float(),
+                      total_length=(lengths + PROMPT).float(), info={"reward": rewards.clone()})
+
+
+def _grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def _settings_env(monkeypatch, algo, **overrides):
+    cfg = get_algorithm(algo, **overrides)
+    monkeypatch.setenv(SETTINGS_ENV, json.dumps({"algo": cfg.to_dict(), "run": "test"}))
+    return cfg
+
+
+def _install(trainer):
+    host = SimpleNamespace(trainer=trainer)
+    return plugin.install(host)
+
+
+def test_plugin_refuses_other_openrlhf_versions():
+    with pytest.raises(plugin.OpenRLHFVersionError, match=r"0\.11\.2.*found 0\.11\.0"):
+        plugin.check_openrlhf_version("0.11.0")
+    assert plugin.check_openrlhf_version() == "0.11.2"
+
+
+def test_loss_arity_is_the_pinned_versions():
+    loss = plugin.StarePolicyLoss.from_parsed(plugin.PolicyLoss())
+    x = torch.zeros(2, 3)
+    out = loss(x, x, torch.ones(2, 3), action_mask=torch.ones(2, 3))
+    assert len(out) == 5  # 0.11.2 returns (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)
+
+
+def test_gate_off_equals_openrlhfs_own_loss_bit_for_bit(monkeypatch):
+    args = _args()
+    exp = _experience(_model())
+    # OpenRLHF's own trainer
+    m_ref = _model()
+    ref = _trainer(monkeypatch, m_ref, args)
+    status_ref = ref.training_step(copy.deepcopy(exp), 0.0, 0)
+    # ours, with the gate off (entropy far above a tiny target)
+    _settings_env(monkeypatch, "stare", target_entropy=1e-6)
+    m_ours = _model()
+    ours = _install(_trainer(monkeypatch, m_ours, args))
+    assert type(ours.actor_loss_fn) is plugin.StarePolicyLoss
+    for key in ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type"):
+        assert getattr(ours.actor_loss_fn, key) == getattr(ref.actor_loss_fn, key)
+    ours.replay_buffer.append(copy.deepcopy(exp))
+    metrics = ours.stare_prepare_step()
+    assert metrics["stare/gate_on"] == 0.0
+    status = ours.training_step(copy.deepcopy(exp), 0.0, 0)
+    assert torch.equal(status["metrics"]["policy_loss"], status_ref["metrics"]["policy_loss"])
+    assert torch.equal(_grads(m_ours), _grads(m_ref))
+
+
+def _brute_force_weights(exp, ratio=0.1, w=1.1):
+    """The paper's O1 rule by sorting: top ceil(ratio * n) surprisal among A > 0 tokens of the whole batch."""
+    mask = exp.action_mask
+    pos = mask & (exp.advantages > 0)
+    s = -exp.action_log_probs[pos]
+    k = math.ceil(round(ratio * s.numel(), 9))
+    threshold = torch.sort(s, descending=True).values[k - 1]
+    weights = torch.ones_like(exp.advantages)
+    weights[pos & (-exp.action_log_probs >= threshold)] = w
+    return weights, int((pos & (-exp.action_log_probs >= threshold)).sum())
+
+
+def _hand_loss(model, exp, weights, clip=(0.2, 0.28), dual_clip=10.0):
+    """PPO's clipped loss with dual clip, per token, times the weight, token-mean over the batch (by hand)."""
+    logits = model(exp.sequences, attention_mask=exp.attention_mask,
+                   position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.sequences[:, 1:, None]).squeeze(-1)[:, -RESP:]
+    ratio = torch.exp(logp - exp.action_log_probs)
+    a = exp.advantages
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
+    per_token = torch.where(a < 0, torch.minimum(per_token, -dual_clip * a), per_token)
+    m = exp.action_mask.float()
+    return (per_token * weights * m).sum() / m.sum()
+
+
+def test_weights_apply_exactly_on_the_selected_tokens_over_the_whole_step(monkeypatch):
+    args = _args()
+    exp = _experience(_model())
+    weights, n_selected = _brute_force_weights(exp, w=2.0)
+    assert 0 < n_selected < int((exp.action_mask & (exp.advantages > 0)).sum())
+    # ours: the step goes through OpenRLHF's ppo_train -> shuffled micro-batches of 2 -> training_step
+    _settings_env(monkeypatch, "stare", target_entropy=100.0, w=2.0)  # gate on
+    m_ours = _model()
+    ours = _install(_trainer(monkeypatch, m_ours, args, gas=B // 2))
+    ours.replay_buffer.append(copy.deepcopy(exp))
+    seen = []
+    real_forward = plugin.StarePolicyLoss.forward
+
+    def spy(self, *a, **k):
+        seen.append(None if self.token_weights is None else self.token_weights.clone())
+        return real_forward(self, *a, **k)
+
+    monkeypatch.setattr(plugin.StarePolicyLoss, "forward", spy)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    status = ours.ppo_train(0.0)
+    assert len(seen) == B // 2 and all(w is not None for w in seen)
+    g_ours = _grads(m_ours)
+
+    # reference 1: OpenRLHF's own loss over the whole batch, the weights folded into the advantages
+    m_ref = _model()
+    ref = _trainer(monkeypatch, m_ref, args)
+    folded = copy.deepcopy(exp)
+    folded.advantages = exp.advantages * weights
+    n_tok = exp.action_mask.sum().float()
+    ref.training_step(folded, 0.0, 0, {"dp_size": 1, "batch_num_tokens": n_tok, "global_batch_size": float(B)})
+    assert torch.allclose(g_ours, _grads(m_ref), rtol=1e-5, atol=1e-7)
+
+    # reference 2: the weighted clipped loss written out by hand
+    m_hand = _model()
+    _hand_loss(m_hand, exp, weights).backward()
+    assert torch.allclose(g_ours, _grads(m_hand), rtol=1e-4, atol=1e-6)
+
+    # and the weights are not a no-op: without them the gradient differs well beyond rounding
+    m_plain = _model()
+    _hand_loss(m_plain, exp, torch.ones_like(weights)).backward()
+    assert (g_ours - _grads(m_plain)).abs().max() > 1e-3 * g_ours.abs().max()
+
+    # telemetry, in the step's status (OpenRLHF logs it as train/<key>)
+    for key in ("stare/entropy", "stare/gate_on", "stare/w", "stare/m", "stare/target", "stare/strength",
+                "stare/positive_reweight_ratio", "stare/negative_reweight_ratio", "stare/mean_weight",
+                "stare/pos_low_share", "stare/pos_high_share", "stare/neg_low_share", "stare/neg_high_share",
+                "stare/entropy_forecast", "stare/entropy_forecast_base", "policy_loss"):
+        assert key in status, key
+    assert status["stare/gate_on"] == 1.0 and status["stare/w"] == pytest.approx(2.0)
+    n_pos = int((exp.action_mask & (exp.advantages > 0)).sum())
+    assert status["stare/positive_reweight_ratio"] == pytest.approx(n_selected / n_pos)
+    assert status["stare/negative_reweight_ratio"] == 0.0
+    quad = sum(status[f"stare/{q}_share"] for q in ("pos_low", "pos_high", "neg_low", "neg_high"))
+    assert quad == pytest.approx(1.0)
+    # the batch entropy: full softmax of the model's logits at the response positions, computed here
+    with torch.no_grad():
+        logits = _model()(exp.sequences, attention_mask=exp.attention_mask,
+                          position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    p = torch.softmax(logits[:, :-1][:, -RESP:], -1)
+    h = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    m = exp.action_mask.float()
+    assert status["stare/entropy"] == pytest.approx(float((h * m).sum() / m.sum()), rel=1e-5)
+
+
+def test_micro_batch_scope_selects_inside_each_micro_batch(monkeypatch):
+    args = _args()
+    exp = _experience(_model())
+    _settings_env(monkeypatch, "stare", target_entropy=100.0, scope="micro_batch")
+    ours = _install(_trainer(monkeypatch, _model(), args, gas=B // 2))
+    ours.replay_buffer.append(copy.deepcopy(exp))
+    seen = []
+    real_forward = plugin.StarePolicyLoss.forward
+
+    def spy(self, log_probs, old_log_probs, advantages, action_mask=None, *a, **k):
+        seen.append((self.token_weights.clone(), old_log_probs.clone(), advantages.clone(), action_mask.clone()))
+        return real_forward(self, log_probs, old_log_probs, advantages, action_mask, *a, **k)
+
+    monkeypatch.setattr(plugin.StarePolicyLoss, "forward", spy)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    ours.ppo_train(0.0)
+    assert len(seen) == B // 2
+    for w, old, adv, mask in seen:  # each micro-batch: exactly its own top ceil(10%) surprisal A>0 tokens
+        pos = mask.bool() & (adv > 0)
+        if not pos.any():
+            assert torch.all(w[mask.bool()] == 1.0)
+            continue
+        s = -old[pos]
+        k = math.ceil(round(0.1 * s.numel(), 9))
+        thr = torch.sort(s, descending=True).values[k - 1]
+        expected = pos & (-old >= thr)
+        assert torch.equal(w[mask.bool()] != 1.0, expected[mask.bool()])
+
+
+def test_controller_state_is_saved_with_the_checkpoint_and_restored(monkeypatch, tmp_path):
+    args = _args()
+    _settings_env(monkeypatch, "stare", target_entropy=100.0, adaptive=True, alpha=0.05)
+    exp = _experience(_model())
+    a = _install(_trainer(monkeypatch, _model(), args))
+    for _ in range(3):
+        a.replay_buffer.items.clear()
+        a.replay_buffer.append(copy.deepcopy(exp))
+        a.stare_prepare_step()
+    assert a.stare_controller.w == pytest.approx(1.1 + 3 * 0.05)
+    (tmp_path / "_actor").mkdir()
+    (tmp_path / "_actor" / "latest").write_text("global_step3")
+    plugin.save_stare_state(a, str(tmp_path), "global_step3", keep=2)
+    b = _install(_trainer(monkeypatch, _model(), args))
+    assert b.stare_controller.w == pytest.approx(1.1)
+    assert plugin.load_stare_state(b, str(tmp_path)) == "global_step3"
+    assert b.stare_controller.w == pytest.approx(a.stare_controller.w)
+    assert b.stare_prev == a.stare_prev
+    # the next step's measured entropy change is against the restored previous entropy
+    b.replay_buffer.append(copy.deepcopy(exp))
+    metrics = b.stare_prepare_step()
+    assert metrics["stare/entropy_change"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_baselines_get_telemetry_and_openrlhfs_loss(monkeypatch):
+    args = _args(agg="seq-mean-token-mean", clip=(0.2, 0.2), dual_clip=None)
+    _settings_env(monkeypatch, "grpo")
+    exp = _experience(_model())
+    ours = _install(_trainer(monkeypatch, _model(), args))
+    ours.replay_buffer.append(copy.deepcopy(exp))
+    metrics = ours.stare_prepare_step()
+    assert "stare/gate_on" not in metrics and metrics["stare/mean_weight"] == 1.0
+    assert metrics["stare/entropy"] > 0
+    assert ours._stare_batch_weights(exp, torch.arange(B)) is None
