@@ -166,15 +166,21 @@ def load_bench(name: str, *, data_file: str | os.PathLike | None = None, limit: 
         raise ValueError(f"unknown benchmark {name!r}; choose one of {', '.join(sorted(BENCHES))}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    local = local_data_file(name, data_file)
+    problems = _read_local(local) if local is not None else _load_hub(BENCHES[name])
+    return problems[:limit] if limit is not None else problems
+
+
+def local_data_file(name: str, data_file: str | os.PathLike | None = None) -> Path | None:
+    """The local file ``load_bench`` reads for ``name`` (``data_file``, else ``$STARE_DATA_DIR/<name>.jsonl`` or
+    ``.parquet``), or None when the problems come from the hub."""
     if data_file is not None:
-        problems = _read_local(Path(data_file))
-    elif os.environ.get(DATA_DIR_ENV):
+        return Path(data_file)
+    if os.environ.get(DATA_DIR_ENV):
         folder = Path(os.environ[DATA_DIR_ENV])
         candidates = [folder / f"{name}.jsonl", folder / f"{name}.parquet"]
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:
             raise ValueError(f"{DATA_DIR_ENV}={folder} has no {name}.jsonl or {name}.parquet")
-        problems = _read_local(found)
-    else:
-        problems = _load_hub(BENCHES[name])
-    return problems[:limit] if limit is not None else problems
+        return found
+    return None

