@@ -143,23 +143,33 @@ def train(
     ),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: runs/PRESET-ALGO)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved settings as JSON and exit."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run as one JSON object and exit "
+                                 "(GPU presets: openrlhf_argv, command, stare, ray)."),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", help="GPU presets: submit to this Ray cluster (HOST:PORT, ray://HOST:PORT or auto). "
+                                    "Default: start a Ray head on this node."),
 ) -> None:
-    """Train one arm: a preset (model, data, engine) with one algorithm, then evaluate it.
+    """Train one arm: a preset (model, data, engine) with one algorithm.
 
-    Every setting is validated before anything starts. A killed run continues with --resume and ends with
-    the same metrics as an uninterrupted one. The run directory gets config.yaml, metrics.jsonl (one line per
-    step), checkpoint/ (model, optimizer, controller and RNG state), final/ and eval.json.
+    Local presets (tiny-cpu, ...) train here on the CPU, then evaluate: the run directory gets config.yaml,
+    metrics.jsonl (one line per step), checkpoint/, final/ and eval.json; a killed run continues with --resume.
+
+    GPU presets (qwen-7b-short-cot, ...) run OpenRLHF 0.11.2's Ray PPO trainer with STARE plugged into its
+    policy actor: checkpoints in OUT/ckpt (resumed automatically with --resume), the final model in
+    OUT/final, TensorBoard logs in OUT/tensorboard (keys train/stare/*). Check the exact OpenRLHF command
+    first with --dry-run.
     """
     resolved = _resolve_or_fail(preset, algo, set_ or [])
+    if resolved["backend"] == "openrlhf":
+        _train_openrlhf(resolved, out or Path("runs") / f"{preset}-{algo}", ray_address, resume, dry_run)
+        return
+    if ray_address is not None:
+        fail(f"--ray-address is for GPU presets; {preset!r} is a local preset that trains on this machine")
     if dry_run:
         if out is not None:
             resolved["out"] = str(out)
         sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
         return
-    if resolved["backend"] != "local":
-        fail(f"the {resolved['backend']!r} training engine is not part of this build yet; "
-             "use --dry-run to check the resolved settings", code=1)
     from .local.runner import _quiet
     from .local.trainer import RunDirError, prepare_run_dir
 
@@ -188,6 +198,39 @@ def train(
         result = trainer.run(resume=resume, on_step=on_step)
     _print_eval(console, result)
     console.print(f"run directory: {out}")
+
+
+def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resume: bool, dry_run: bool) -> None:
+    from .openrlhf_backend import launch as orl
+    from .openrlhf_backend.argv import SettingsError
+
+    try:
+        plan = orl.plan(resolved, out, ray_address)
+    except (SettingsError, orl.LaunchError) as exc:
+        fail(str(exc))
+    if dry_run:
+        sys.stdout.write(json.dumps(plan, indent=2) + "\n")
+        return
+    from .local.trainer import RunDirError, check_run_dir, prepare_run_dir
+
+    try:
+        check_run_dir(out, resolved, resume)
+        if ray_address:
+            orl.check_ray_address(ray_address)
+        from .openrlhf_backend.plugin import OpenRLHFVersionError, check_openrlhf_version
+    except (RunDirError, orl.LaunchError) as exc:
+        fail(str(exc))
+    except ImportError as exc:
+        fail(f"the GPU training stack is not installed ({exc}); pip install 'stare[openrlhf]' or use the "
+             "Docker image (see the README)", code=1)
+    except OpenRLHFVersionError as exc:  # raised on import of the plugin
+        fail(str(exc), code=1)
+    prepare_run_dir(out, resolved, resume)
+    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {out}")
+    try:
+        orl.start(resolved, plan, log=console.print)
+    except orl.LaunchError as exc:
+        fail(str(exc))
 
 
 @app.command()

@@ -6,6 +6,7 @@ A preset file holds:
     description: <one line>
     backend: local | openrlhf
     settings: {key: value, ...}          # the run's settings; each can be overridden with --set key=value
+                                         # (openrlhf presets: the typed schema in openrlhf_backend/argv.py)
     algorithms: {algo: {setting: value}} # per-algorithm overrides on top of the registry
 
 ``--set`` accepts a preset setting or an algorithm setting (``stare algos --settings`` lists those). Values
@@ -86,7 +87,15 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
             get_algorithm(algo, **overrides)
         except (ValueError, TypeError) as exc:
             raise PresetError(f"preset {source}: algorithms.{algo}: {exc}") from None
-    return Preset(data["name"], data["description"], data["backend"], dict(data["settings"]), dict(algos))
+    settings = dict(data["settings"])
+    if data["backend"] == "openrlhf":  # GPU presets: every setting typed and checked, defaults filled in
+        from .openrlhf_backend.argv import SettingsError, check_settings
+
+        try:
+            settings = check_settings(settings, source)
+        except SettingsError as exc:
+            raise PresetError(str(exc)) from None
+    return Preset(data["name"], data["description"], data["backend"], settings, dict(algos))
 
 
 def _algo_field_types() -> dict[str, str]:
@@ -157,6 +166,10 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
             raise PresetError(f"unknown --set key {key!r}; valid keys: {', '.join(valid)}")
     try:
         algo_cfg = get_algorithm(algo, **algo_over)
+        if preset.backend == "openrlhf" and sets:  # the overrides must still fit together
+            from .openrlhf_backend.argv import check_settings
+
+            settings = check_settings(settings, f"{preset.name} (with --set)")
     except ValueError as exc:
         raise PresetError(str(exc)) from None
     return {"preset": preset.name, "backend": preset.backend, "algo": algo_cfg.to_dict(), "settings": settings}

@@ -67,11 +67,6 @@ def test_train_dry_run_resolves_overrides():
     assert cfg["backend"] == "local"
 
 
-def test_train_without_engine_says_so():
-    res = run_stare("train", "--preset", "qwen-7b-short-cot")
-    assert res.returncode == 1 and "--dry-run" in res.stderr and "Traceback" not in res.stderr
-
-
 def test_every_preset_resolves_with_every_algorithm():
     from stare.algorithms import ALGORITHMS
     for name in preset_names():

@@ -1,0 +1,135 @@
+"""Every GPU preset x algorithm: the argument list `stare train --dry-run` prints is accepted by OpenRLHF
+0.11.2's own parser and its argument checks (its train_ppo_ray module run for real, stopped at ray.init)."""
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+
+from stare.algorithms import ALGORITHMS
+from stare.cli.openrlhf_backend import launch as orl
+from stare.cli.openrlhf_backend.argv import SETTINGS_ENV
+from stare.cli.presets import load_preset, preset_names, resolve
+
+pytest.importorskip("openrlhf")
+pytest.importorskip("ray")
+import openrlhf_standins  # noqa: E402
+
+openrlhf_standins.install()
+
+GPU_PRESETS = [n for n in preset_names() if load_preset(n).backend == "openrlhf"]
+EXTRA_SETS = {"qwen-7b-tool-use": ["cold_start_checkpoint=/ckpt/qwen2.5-7b-sft"]}
+
+
+class ReachedRayInit(Exception):
+    pass
+
+
+def parse_with_openrlhf(argv: list[str], monkeypatch) -> object:
+    """Run ``python -m openrlhf.cli.train_ppo_ray ARGV`` in-process up to ``ray.init``; return its parsed args."""
+    import ray
+    from openrlhf.utils import config
+
+    captured = {}
+    real = config.hierarchize
+
+    def spy(args):
+        captured["args"] = real(args)
+        return captured["args"]
+
+    def stop(*a, **k):
+        raise ReachedRayInit
+
+    monkeypatch.setattr(config, "hierarchize", spy)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", stop)
+    monkeypatch.setattr(sys, "argv", ["train_ppo_ray", *argv])
+    with pytest.raises(ReachedRayInit):
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    return captured["args"]
+
+
+def test_there_are_the_seven_gpu_presets():
+    assert set(GPU_PRESETS) == {"qwen-7b-short-cot", "qwen-14b-short-cot", "qwen-32b-short-cot", "qwen-1.5b-long-cot",
+                                "qwen3-8b-long-cot", "qwen-7b-long-cot", "qwen-7b-tool-use"}
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
+    for algo in ALGORITHMS:
+        resolved = resolve(preset, algo, EXTRA_SETS.get(preset, []))
+        plan = orl.plan(resolved, tmp_path / algo)
+        args = parse_with_openrlhf(plan["openrlhf_argv"], monkeypatch)
+        cfg = resolved["algo"]
+        s = resolved["settings"]
+        # the settings arrive where OpenRLHF reads them
+        assert tuple(args.actor.eps_clip_low_high) == (cfg["clip_low"], cfg["clip_high"]), algo
+        assert args.actor.dual_clip == cfg["dual_clip"]
+        assert args.algo.dynamic_filtering_enable == cfg["dynamic_sampling"]
+        assert args.rollout.n_samples_per_prompt == s["samples_per_prompt"]
+        assert args.rollout.batch_size == s["prompts_per_step"]
+        assert args.data.max_len == s["max_prompt_len"] + s["max_response_len"]
+        assert args.actor.adam.lr == s["lr"]
+        assert args.actor.num_gpus_per_node * args.actor.num_nodes == s["gpus_per_node"] * s["nodes"]
+        assert args.actor.entropy_coef is None  # never OpenRLHF's full-vocabulary entropy path
+        if cfg["overlong_shaping"]:
+            assert args.reward.overlong_buffer_len == cfg["overlong_buffer_len"]
+        if s["agent"]:
+            assert args.train.agent_func_path.endswith("python_agent.py")
+            assert args.actor.model_name_or_path == "/ckpt/qwen2.5-7b-sft"
+        else:
+            assert args.reward.remote_url == [str(orl.REWARD_FILE)]
+        env = plan["ray"]["runtime_env"]["env_vars"]
+        assert json.loads(env[SETTINGS_ENV])["algo"]["name"] == algo
+        assert bool(plan["stare"]) == cfg["stare"]
+    capsys.readouterr()
+
+
+def test_grpo_dapo_and_stare_map_to_the_intended_flags(tmp_path):
+    def argv(algo, preset="qwen-7b-short-cot"):
+        return orl.plan(resolve(preset, algo), tmp_path)["openrlhf_argv"]
+
+    def value(a, flag, n=1):
+        i = a.index(flag)
+        return a[i + 1: i + 1 + n]
+
+    grpo, dapo, stare = argv("grpo"), argv("dapo"), argv("stare")
+    assert value(grpo, "--actor.eps_clip_low_high", 2) == ["0.2", "0.2"]
+    assert "--algo.dynamic_filtering_enable" not in grpo
+    assert value(grpo, "--actor.loss_agg_mode") == ["seq-mean-token-mean"]
+    assert value(dapo, "--actor.eps_clip_low_high", 2) == ["0.2", "0.28"]
+    assert value(dapo, "--reward.overlong_buffer_len") == ["4096"] and "--algo.dynamic_filtering_enable" in dapo
+    assert "--reward.overlong_buffer_len" not in stare and value(stare, "--actor.loss_agg_mode") == ["token-mean"]
+    assert value(argv("dr-grpo"), "--algo.advantage.estimator") == ["dr_grpo"]
+    big = orl.plan(resolve("qwen-32b-short-cot", "stare-c2"), tmp_path)
+    assert (big["stare"]["w"], big["stare"]["m"]) == (1.05, 0.95)
+    assert orl.plan(resolve("qwen-7b-short-cot", "stare-c2"), tmp_path)["stare"]["w"] == 1.1
+    assert orl.plan(resolve("qwen-7b-short-cot", "grpo"), tmp_path)["stare"] == {}
+
+
+def test_the_printed_command_carries_the_same_argv_and_settings(tmp_path):
+    import shlex
+
+    plan = orl.plan(resolve("qwen-1.5b-long-cot", "stare-phi", ["w=1.7"]), tmp_path, "10.0.0.1:6379")
+    words = shlex.split(plan["command"])
+    at = words.index("stare.cli.openrlhf_backend.launch")
+    assert words[at + 1:] == plan["openrlhf_argv"]
+    env = dict(w.split("=", 1) for w in words[: words.index("python")])
+    assert env["RAY_ADDRESS"] == "10.0.0.1:6379"
+    assert json.loads(env[SETTINGS_ENV])["algo"]["w"] == 1.7
+    assert plan["ray"]["address"] == "10.0.0.1:6379" and not plan["ray"]["start_local_head"]
+
+
+def test_build_launch_needs_no_openrlhf(tmp_path):
+    """The dry run is pure data: it works where OpenRLHF is not installed (checked in a clean interpreter)."""
+    import subprocess
+
+    code = ("import sys; sys.modules['openrlhf'] = None; sys.modules['ray'] = None\n"
+            "from stare.cli.openrlhf_backend import launch\n"
+            "from stare.cli.presets import resolve\n"
+            f"print(len(launch.plan(resolve('qwen-7b-short-cot', 'stare'), {str(tmp_path)!r})['openrlhf_argv']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) > 40
