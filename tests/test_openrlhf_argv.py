@@ -133,3 +133,51 @@ def test_build_launch_needs_no_openrlhf(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 40
+
+
+def test_launch_registers_the_stare_actor_and_passes_settings_to_the_workers(monkeypatch, tmp_path):
+    """launch(): Ray gets the runtime env with STARE_SETTINGS, and OpenRLHF's driver builds our actor class."""
+    import ray
+    from openrlhf.trainer.ray import ppo_actor
+
+    from stare.cli.openrlhf_backend import plugin
+
+    resolved = resolve("qwen-7b-short-cot", "stare-phi", ["wandb_project=p"])
+    plan = orl.plan(resolved, tmp_path)
+    env = dict(plan["ray"]["runtime_env"]["env_vars"], WANDB_API_KEY="secret-key")
+    seen = {}
+
+    def fake_init(address=None, runtime_env=None, **kw):
+        assert "runtime_env" not in seen, "Ray initialised twice"
+        seen["address"], seen["runtime_env"] = address, runtime_env
+
+    def stop_at_placement(*a, **k):  # OpenRLHF's train() after ray.init: look at what it is about to build
+        frame = sys._getframe(1)
+        while "PolicyModelActor" not in frame.f_globals:
+            frame = frame.f_back
+        seen["actor"] = frame.f_globals["PolicyModelActor"]
+        seen["argv"] = list(sys.argv)
+        raise ReachedRayInit
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: "runtime_env" in seen)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ppo_actor, "PolicyModelActor", ppo_actor.PolicyModelActor)  # restored afterwards
+    import openrlhf.utils
+
+    monkeypatch.setattr(openrlhf.utils, "get_strategy", stop_at_placement)
+    with pytest.raises(ReachedRayInit):
+        orl.launch(plan["openrlhf_argv"], environ=env)
+    assert seen["address"] is None  # no --ray-address: a local head
+    workers = seen["runtime_env"]["env_vars"]
+    assert json.loads(workers[SETTINGS_ENV])["algo"]["selection"] == "phi"
+    assert seen["actor"].__ray_actor_class__ is plugin.StarePolicyModelActor
+    assert "secret-key" in seen["argv"] and "${WANDB_API_KEY}" not in seen["argv"]
+
+
+def test_launch_refuses_missing_settings_and_missing_wandb_key(tmp_path):
+    plan = orl.plan(resolve("qwen-7b-short-cot", "grpo", ["wandb_project=p"]), tmp_path)
+    with pytest.raises(RuntimeError, match="STARE_SETTINGS is not set"):
+        orl.launch(plan["openrlhf_argv"], environ={})
+    env = dict(plan["ray"]["runtime_env"]["env_vars"])
+    with pytest.raises(orl.LaunchError, match="WANDB_API_KEY is not in the environment"):
+        orl.launch(plan["openrlhf_argv"], environ=env)
