@@ -5,6 +5,10 @@ position, so a redone problem gives the same samples), scored with math-verify, 
 ``samples.jsonl`` before the next problem starts. ``--resume`` keeps every problem whose k samples are all
 on disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the
 problem in flight and ends with the same numbers.
+
+Backends share one interface (``name``, ``prompt_text(problem, instruction)``, ``generate(prompt, n, proto, seed)``
+-> ``[(text, num_tokens)] * n``): ``HFBackend`` (transformers ``generate``, CPU or one GPU) and ``VLLMBackend``
+(vLLM, ``--tp`` GPUs); both build the prompt with ``chat_prompt`` and count tokens without the stopping EOS.
 """
 from __future__ import annotations
 
@@ -57,6 +61,16 @@ def resolve_protocol(name: str, **overrides) -> Protocol:
     return proto
 
 
+def chat_prompt(tokenizer, problem: str, instruction: str) -> str:
+    """The prompt both backends send: the problem and the instruction as one user turn of the model's chat
+    template (with the generation prompt), or the plain text when the tokenizer has no template."""
+    content = f"{problem}\n{instruction}"
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    return content
+
+
 class HFBackend:
     """Hugging Face transformers ``generate`` on CPU or one GPU; n samples per prompt in one call."""
 
@@ -73,11 +87,7 @@ class HFBackend:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
 
     def prompt_text(self, problem: str, instruction: str) -> str:
-        content = f"{problem}\n{instruction}"
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                      add_generation_prompt=True)
-        return content
+        return chat_prompt(self.tokenizer, problem, instruction)
 
     def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int]]:
         torch = self.torch
@@ -104,10 +114,75 @@ class HFBackend:
         return results
 
 
-def make_backend(name: str, model_path: str, tp: int = 1):
+class VLLMBackend:
+    """vLLM on one or more GPUs: the n samples of a prompt in one request (``SamplingParams(n=...)``).
+
+    The prompt is the same text as the HF backend's (``chat_prompt``), sent as token ids encoded without added
+    special tokens, as the HF backend encodes it (a text prompt would get a second BOS from vLLM). Each request
+    carries the problem's seed, so a redone problem gives the same samples; ``seed`` also seeds the engine.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, tp: int = 1, seed: int = 0, **llm_kwargs):
+        from vllm import LLM, SamplingParams
+
+        self._sampling_params = SamplingParams
+        self.llm = LLM(model=model_path, tensor_parallel_size=tp, seed=seed, **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def prompt_text(self, problem: str, instruction: str) -> str:
+        return chat_prompt(self.tokenizer, problem, instruction)
+
+    def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int]]:
+        sampling = proto.temperature > 0
+        params = self._sampling_params(n=n, temperature=proto.temperature, top_p=proto.top_p if sampling else 1.0,
+                                       max_tokens=proto.max_tokens, seed=seed)
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        (request,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        outputs = sorted(request.outputs, key=lambda o: getattr(o, "index", 0))
+        if len(outputs) != n:
+            raise RuntimeError(f"vLLM returned {len(outputs)} samples for one prompt, expected {n}")
+        eos = self.tokenizer.eos_token_id
+        results = []
+        for o in outputs:
+            ids = list(o.token_ids)
+            # vLLM keeps the token that stopped the sample (EOS, or a stop token id); the HF count leaves it out
+            if ids and getattr(o, "finish_reason", None) == "stop" and (
+                    ids[-1] == eos or getattr(o, "stop_reason", None) == ids[-1]):
+                ids = ids[:-1]
+            results.append((o.text, len(ids)))
+        return results
+
+
+BACKENDS = ("vllm", "hf")
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        return False
+
+
+def default_backend() -> str:
+    """vllm when it is importable and a GPU is present, else hf."""
+    import torch
+
+    return "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+
+
+def make_backend(name: str, model_path: str, tp: int = 1, seed: int = 0):
     if name == "hf":
         return HFBackend(model_path)
-    raise ValueError("the vllm backend is not part of this build yet; use --backend hf")
+    if name == "vllm":
+        if not vllm_available():
+            raise ValueError("--backend vllm needs the vllm package, which is not importable here "
+                             "(pip install vllm==0.29.0 on a GPU machine); use --backend hf")
+        return VLLMBackend(model_path, tp=tp, seed=seed)
+    raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(BACKENDS)}")
 
 
 def _versions() -> dict:

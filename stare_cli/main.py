@@ -301,6 +301,8 @@ def eval_(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Overrides the protocol."),
     backend: Optional[str] = typer.Option(None, "--backend", help="vllm or hf (default: vllm when importable "
                                                                   "with a GPU, else hf)."),
+    harness: str = typer.Option("stare", "--harness", help="stare (this project's harness) or lm-eval (the "
+                                                           "shipped lm-eval tasks, aime24 and aime25)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm)."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL/parquet with problem and "
                                                                       "answer fields."),
@@ -312,14 +314,33 @@ def eval_(
     """Evaluate a model on a math benchmark: avg@k, pass@k, maj@k with 95% bootstrap intervals.
 
     Writes samples.jsonl (one line per sample, as each problem completes), summary.json and summary.md.
+    --harness lm-eval runs the shipped lm-eval tasks instead (no --resume) and writes the same summary fields.
     """
     from stare.eval import BENCHES, load_bench
-    from stare.eval.harness import make_backend, resolve_protocol, run_eval
+    from stare.eval.data import local_data_file
+    from stare.eval.harness import BACKENDS, default_backend, make_backend, resolve_protocol, run_eval, vllm_available
 
+    harnesses = ("stare", "lm-eval")
     if bench not in BENCHES:
         fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
-    if backend is not None and backend not in ("vllm", "hf"):
-        fail(f"unknown backend {backend!r}; valid backends: vllm, hf")
+    if backend is not None and backend not in BACKENDS:
+        fail(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if harness not in harnesses:
+        fail(f"unknown harness {harness!r}; valid harnesses: {', '.join(harnesses)}")
+    if harness == "lm-eval":
+        from stare.eval.lm_eval_harness import LmEvalError, require_lm_eval, task_name
+
+        try:
+            task_name(bench)
+            require_lm_eval()
+        except LmEvalError as exc:
+            fail(str(exc))
+        if resume:
+            fail("--resume works with --harness stare only; lm-eval runs a task from the start")
+    backend = backend or default_backend()
+    if backend == "vllm" and not vllm_available():
+        fail("--backend vllm needs the vllm package, which is not importable here (pip install vllm==0.29.0 on a "
+             "GPU machine); use --backend hf")
     out_dir = out or Path("evals") / bench
     if model is None:
         final = out_dir / "final"
@@ -331,23 +352,32 @@ def eval_(
         fail(f"model {model!r} is neither a folder nor a hub id (owner/name)")
     try:
         proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-        problems = load_bench(bench, data_file=str(data_file) if data_file else None, limit=limit)
+        local = local_data_file(bench, data_file)
+        if harness == "stare" or local is not None:  # lm-eval reads the hub itself
+            problems = load_bench(bench, data_file=local, limit=limit)
     except ValueError as exc:
         fail(str(exc))
-    if backend is None:
-        import importlib.util
-
-        import torch
-
-        backend = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
-    if backend == "vllm":
-        fail("the vllm backend is not part of this build yet; use --backend hf")
     if (out_dir / "samples.jsonl").exists() and not resume:
-        fail(f"{out_dir} already holds samples; pass --resume to continue or use another --out (nothing was changed)")
+        fail(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare" else "")
+             + "use another --out (nothing was changed)")
     from .local.runner import _quiet
 
     _quiet()
-    engine = make_backend(backend, model, tp)
+    if harness == "lm-eval":
+        from stare.eval.lm_eval_harness import run_lm_eval
+
+        console.print(f"lm-eval task for {bench}: {proto.k} samples per problem, {backend} model")
+        try:
+            summary = run_lm_eval(bench, model, proto, out_dir, backend=backend, tp=tp, data_file=local,
+                                  limit=limit, seed=seed)
+        except LmEvalError as exc:
+            fail(str(exc))
+        kk = summary["k"]
+        console.print(f"{bench} ({summary['n_problems']} problems, protocol {proto.name}, lm-eval): avg@{kk} "
+                      f"{summary['avg_at_k']:.4f}  pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} "
+                      f"{summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
+        return
+    engine = make_backend(backend, model, tp, seed)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(problems) * proto.k

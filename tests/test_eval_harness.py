@@ -8,6 +8,7 @@ import pytest
 
 from stare.eval.data import Problem
 from stare.eval.harness import Protocol, run_eval
+from tiny_models import build_tiny_model
 
 
 def stare(*args):
@@ -17,29 +18,7 @@ def stare(*args):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random Llama with a BPE tokenizer trained here with `tokenizers` (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["Find the number of integers n. Please reason step by step, and put your final answer within "
-              "\\boxed{}. The answer is \\boxed{33}.", "0123456789 + - = ( ) { } \\frac"] * 20
-    tok.train_from_iterator(corpus, trainer)
-    from tokenizers import decoders
-    tok.decoder = decoders.ByteLevel()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                     unk_token="<unk>")
-    hf_tok.save_pretrained(folder)
-    import torch
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture
