@@ -323,3 +323,28 @@ def test_baselines_get_telemetry_and_openrlhfs_loss(monkeypatch):
     assert "stare/gate_on" not in metrics and metrics["stare/mean_weight"] == 1.0
     assert metrics["stare/entropy"] > 0
     assert ours._stare_batch_weights(exp, torch.arange(B)) is None
+
+
+def test_token_budget_groups_give_the_same_entropy_within_half_the_budget(monkeypatch):
+    exp = _experience(_model())
+    _settings_env(monkeypatch, "stare", target_entropy=100.0)
+    plain = _install(_trainer(monkeypatch, _model(), _args()))
+    plain.replay_buffer.append(copy.deepcopy(exp))
+    expected = plain.stare_prepare_step()
+    args = _args()
+    args.train.dynamic_batch_enable, args.train.max_tokens_per_gpu = True, 40
+    packed = _install(_trainer(monkeypatch, _model(), args))
+    packed.replay_buffer.append(copy.deepcopy(exp))
+    shapes = []
+    real = type(packed.actor).forward
+
+    def spy(self, sequences, *a, **k):
+        shapes.append(tuple(sequences.shape))
+        return real(self, sequences, *a, **k)
+
+    monkeypatch.setattr(type(packed.actor), "forward", spy)
+    got = packed.stare_prepare_step()
+    assert sum(b for b, _ in shapes) == B and len(shapes) > 1
+    assert all(b * t <= 20 or b == 1 for b, t in shapes)
+    for key in ("stare/entropy", "stare/entropy_forecast", "stare/positive_reweight_ratio", "stare/pos_low_share"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key

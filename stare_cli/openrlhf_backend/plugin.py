@@ -166,16 +166,20 @@ class StareActorTrainer(ActorPPOTrainer):
     def _stare_old_policy_stats(self, items) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(entropy, phi) per buffer item over its action positions, from the current (= old) policy."""
         groups: list[list[int]] = []
-        if self.args.train.dynamic_batch_enable:  # packed: fill each forward up to the token budget
-            budget, used = int(self.args.train.max_tokens_per_gpu), 0
-            for i, it in enumerate(items):
-                n = int(it.sequences.shape[0])
-                if groups and used + n <= budget:
+        if self.args.train.dynamic_batch_enable:
+            # Token-budget groups, by length so padding stays small. The logits come back padded to
+            # [B, T_max, V] next to the packed copy, so each group's B x T_max is held to half the budget:
+            # the peak then stays near that of OpenRLHF's own packed forward at the full budget.
+            budget = max(1, int(self.args.train.max_tokens_per_gpu) // 2)
+            longest = 0
+            for i in sorted(range(len(items)), key=lambda j: int(items[j].sequences.shape[0])):
+                n = int(items[i].sequences.shape[0])
+                if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
                     groups[-1].append(i)
-                    used += n
+                    longest = max(longest, n)
                 else:
                     groups.append([i])
-                    used = n
+                    longest = n
         else:
             size = max(1, int(self.micro_train_batch_size))
             groups = [list(range(i, min(i + size, len(items)))) for i in range(0, len(items), size)]
