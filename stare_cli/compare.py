@@ -4,7 +4,10 @@ Inputs, each a folder:
 - a training run (``config.yaml`` + ``metrics.jsonl``, as ``stare train`` / ``stare run`` write them); its
   evaluations are the ``eval-<bench>/summary.json`` folders inside it (``stare eval --out RUN`` makes them);
 - an evaluation output (``summary.json``), shown as its own row;
-- a folder holding several runs (a ``stare run`` output): every run below it.
+- an OpenRLHF run: TensorBoard event files (``events.out.tfevents.*``, possibly in a subfolder named after the
+  run), read with the tag mapping in ``stare.cli.tensorboard_runs.TB_TAGS``; its settings come from a
+  ``config.yaml`` beside or above the event folder when there is one;
+- a folder holding several runs (a ``stare run`` output, a TensorBoard log folder): every run below it.
 
 One row per run: algorithm, model, avg@k (with its 95% interval) and pass@k per benchmark found, final
 entropy, share of late steps in the target band, late response length, reflection rate. What a run does not
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from stare.cli.local.report import (CURVES, FINAL_PCT, LATE_PCT, _band, _mean, _tail, _values, band_share, load_run,
                                     plot_curves)
+from stare.cli.tensorboard_runs import event_dirs, load_tb_run, run_root
 
 BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
 
@@ -39,9 +43,10 @@ def collect(paths: list[Path]) -> tuple[list[Path], list[Path]]:
             evals.append(path)
         else:
             found = sorted({p.parent for p in path.rglob("metrics.jsonl") if _is_run(p.parent)})
+            found += [d for d in event_dirs(path) if not any(d == r or r in d.parents for r in found)]
             if not found:
-                raise ValueError(f"{path} holds no training run (config.yaml + metrics.jsonl) and no evaluation "
-                                 "(summary.json)")
+                raise ValueError(f"{path} holds no training run (config.yaml + metrics.jsonl, or TensorBoard event "
+                                 "files) and no evaluation (summary.json)")
             runs += found
     return runs, evals
 
@@ -68,11 +73,14 @@ def compare(paths: list[Path], out: Path) -> list[dict]:
     run_dirs, eval_dirs = collect(paths)
     rows, runs = [], []
     for d in run_dirs:
-        run = load_run(d)
-        label = f"{run.algo} ({d})"
+        if _is_run(d):
+            run, root = load_run(d), d
+        else:  # TensorBoard event files (OpenRLHF)
+            run, root = load_tb_run(d), run_root(d)
+        label = f"{run.algo or 'openrlhf'} ({d})"
         runs.append(replace(run, algo=label))
         late = _tail(run.metrics, LATE_PCT)
-        summaries = [_read_summary(e) for e in sorted(d.glob("eval-*")) if (e / "summary.json").is_file()]
+        summaries = [_read_summary(e) for e in sorted(root.glob("eval-*")) if (e / "summary.json").is_file()]
         rows.append({"run": str(d), "algorithm": run.algo,
                      "model": (run.config.get("settings") or {}).get("model"),
                      "final_entropy": _mean(_values(_tail(run.metrics, FINAL_PCT), "entropy")),

@@ -1,0 +1,118 @@
+"""OpenRLHF runs for ``stare compare``: TensorBoard event files read into the same ``Run`` records as a local run.
+
+OpenRLHF writes its training scalars as ``train/<key>`` against the global step (this project's STARE plugin adds
+``train/stare/<key>``) into ``events.out.tfevents.*`` files, in a folder named after the run. Each folder that holds
+event files is one run (several files in one folder, as after a restart, are one run; for a step logged twice the
+later value wins). ``TB_TAGS`` says which tag feeds which metric; a metric whose tags are all absent stays absent,
+so its cells are blank. The run's settings (algorithm, target band, model) come from a ``config.yaml`` in the
+event folder or one of its two parents, when there is one; without it the algorithm and band share are blank.
+``eval/<key>`` scalars (OpenRLHF's in-training evaluation, its own protocol) are not read: a run's benchmark
+columns come from ``stare eval`` outputs (``eval-<bench>/summary.json``) next to its config.yaml.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+
+# metric key (as in a local run's metrics.jsonl) -> TensorBoard tags, in order of preference: the first tag the run
+# logged at all is used for every step (STARE's batch entropy of the old policy before OpenRLHF's entropy_loss).
+TB_TAGS: dict[str, tuple[str, ...]] = {
+    "entropy": ("train/stare/entropy", "train/entropy_loss"),
+    "reward_mean": ("train/reward",),
+    "response_length": ("train/response_length",),
+    "stare/target": ("train/stare/target",),
+    "stare/gate_on": ("train/stare/gate",),
+    "stare/w": ("train/stare/w",),
+    "stare/m": ("train/stare/m",),
+}
+
+EVENT_GLOB = "events.out.tfevents.*"
+CONFIG_DEPTH = 2  # config.yaml is looked for in the event folder and this many folders above it
+
+
+def event_dirs(path: Path) -> list[Path]:
+    """Folders at or below ``path`` that hold TensorBoard event files, sorted."""
+    path = Path(path)
+    return sorted({f.parent for f in path.rglob(EVENT_GLOB) if f.is_file()})
+
+
+def _accumulator():
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise ValueError("reading OpenRLHF TensorBoard logs needs the tensorboard package (pip install tensorboard)") \
+            from None
+    return EventAccumulator
+
+
+def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} for every scalar in the event files directly in ``folder`` (all points, no sampling)."""
+    accumulator = _accumulator()(str(folder), size_guidance={"scalars": 0})
+    try:
+        accumulator.Reload()
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file
+        raise ValueError(f"{folder}: cannot read its TensorBoard event files ({type(exc).__name__}: {exc})") from None
+    out: dict[str, dict[int, float]] = {}
+    for tag in accumulator.Tags().get("scalars", []):
+        points: dict[int, float] = {}
+        for event in sorted(accumulator.Scalars(tag), key=lambda e: e.wall_time):  # the later write of a step wins
+            points[int(event.step)] = float(event.value)
+        out[tag] = points
+    return out
+
+
+def find_config(folder: Path) -> Path | None:
+    """The run's config.yaml: in ``folder`` or up to ``CONFIG_DEPTH`` folders above it."""
+    for candidate in [folder, *list(folder.parents)[:CONFIG_DEPTH]]:
+        if (candidate / "config.yaml").is_file():
+            return candidate / "config.yaml"
+    return None
+
+
+def _config(path: Path | None) -> dict:
+    if path is None:
+        return {"algo": {}}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is malformed: expected a mapping")
+    if not isinstance(data.get("algo"), dict):
+        data["algo"] = {}
+    return data
+
+
+def load_tb_run(folder: Path):
+    """A ``Run`` (as ``stare.cli.local.report`` uses; ``algo`` None without a config.yaml) from the event files in
+    ``folder``; ValueError when none of ``TB_TAGS``' tags is there."""
+    from .local.report import Run
+
+    folder = Path(folder)
+    scalars = read_scalars(folder)
+    records: dict[int, dict] = {}
+    for key, tags in TB_TAGS.items():
+        tag = next((t for t in tags if t in scalars), None)
+        if tag is None:
+            continue
+        for step, value in scalars[tag].items():
+            if math.isfinite(value):
+                records.setdefault(step, {"step": step})[key] = value
+    if not records:
+        known = sorted({t for tags in TB_TAGS.values() for t in tags})
+        raise ValueError(f"{folder}: its TensorBoard logs have none of the tags stare compare reads "
+                         f"({', '.join(known)}); found {', '.join(sorted(scalars)) or 'no scalars'}")
+    config_path = find_config(folder)
+    config = _config(config_path)
+    algo = config["algo"].get("name") if isinstance(config["algo"].get("name"), str) else None
+    seed = (config.get("settings") or {}).get("seed") if isinstance(config.get("settings"), dict) else None
+    return Run(path=folder, algo=algo, seed=seed, config=config, metrics=[records[s] for s in sorted(records)],
+               eval=None)
+
+
+def run_root(folder: Path) -> Path:
+    """Where a TensorBoard run's own files live: the folder of its config.yaml, else the event folder."""
+    config_path = find_config(Path(folder))
+    return config_path.parent if config_path else Path(folder)
