@@ -11,9 +11,15 @@ positions and Qwen's vocabulary V = 151936.
 - Time: the two variants' repeats are interleaved in this process after a warm-up; medians.
 - Agreement: the max abs difference of each output between the two is printed.
 
+A third row, ``full-grad``, is the entropy path OpenRLHF 0.11.2 takes in training when ``--actor.entropy_coef``
+is set: full-vocabulary float32 softmax entropy inside the autograd graph (what the STARE plugin avoids). It is
+reported beside the others, without a target.
+
 Targets: chunked extra memory <= 0.2 x naive extra memory; chunked time <= 1.2 x naive time.
 
-    python benchmarks/bench_entropy.py [--repeats 5] [--mem-repeats 3] [--device cpu|cuda]
+    python benchmarks/bench_entropy.py [--repeats 5] [--mem-repeats 3] [--device cpu|cuda] [--dtype fp32|bf16]
+    # the GPU check at real size: 8 x 4096 tokens, Qwen's vocabulary, bf16 logits
+    python benchmarks/bench_entropy.py --device cuda --n 32768 --dtype bf16
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 parser.add_argument("--n", type=int, default=1024, help="positions (rows of logits)")
 parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
 parser.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per variant for memory (default 3)")
-parser.add_argument("--worker", choices=["chunked", "naive"], help=argparse.SUPPRESS)
+parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the logits (default fp32)")
+parser.add_argument("--worker", choices=["chunked", "naive", "full-grad"], help=argparse.SUPPRESS)
 args = parser.parse_args()
 
 from stare.algorithms import entropy_sensitivity  # noqa: E402
@@ -61,6 +68,8 @@ def make_inputs(n: int, vocab: int, device: torch.device) -> tuple[torch.Tensor,
         probs = torch.softmax(logits[start:start + 2], dim=-1)
         actions[start:start + 2] = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         del probs
+    if args.dtype == "bf16":
+        logits = logits.to(torch.bfloat16)
     return logits, actions
 
 
@@ -81,7 +90,15 @@ def chunked(logits: torch.Tensor, actions: torch.Tensor):
     return tuple(entropy_sensitivity(logits, actions))
 
 
-VARIANTS = {"chunked": chunked, "naive": naive}
+def full_grad(logits: torch.Tensor, actions: torch.Tensor):
+    """Entropy as OpenRLHF computes it for an entropy loss: float32 softmax over the whole vocabulary, kept in
+    the autograd graph (its saved tensors stay alive while the result does)."""
+    z = logits.to(torch.float32).detach().requires_grad_(True)
+    p = torch.softmax(z, dim=-1)
+    return (torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1),)
+
+
+VARIANTS = {"chunked": chunked, "naive": naive, "full-grad": full_grad}
 
 
 def current_rss_bytes() -> int:
@@ -121,7 +138,7 @@ if args.worker:
 # ---- parent: memory via fresh workers, then agreement and interleaved timing here ------------------------
 def measure_memory(variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--device", args.device,
-           "--n", str(args.n), "--vocab", str(args.vocab)]
+           "--n", str(args.n), "--vocab", str(args.vocab), "--dtype", args.dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"memory worker {variant!r} failed (exit {proc.returncode}):\n{proc.stderr}")
@@ -133,7 +150,7 @@ load = BackgroundLoad()
 # glibc's malloc may keep freed chunk buffers in its heap instead of returning them to the OS (its mmap
 # threshold adapts at run time), so the same computation can show different peak RSS from one process to
 # the next (65 or ~150 MiB for the chunked one here): run several fresh workers per variant, keep the worst.
-runs = {"chunked": [], "naive": []}
+runs = {"chunked": [], "naive": [], "full-grad": []}
 for _ in range(args.mem_repeats):
     for variant in runs:
         runs[variant].append(measure_memory(variant))
@@ -144,27 +161,31 @@ logits, actions = make_inputs(args.n, args.vocab, device)
 diffs = {name: float((a - b).abs().max()) for name, a, b in zip(("entropy", "surprisal", "phi"),
                                                                 chunked(logits, actions), naive(logits, actions))}
 
-times = interleaved_times({"chunked": lambda: chunked(logits, actions), "naive": lambda: naive(logits, actions)},
+times = interleaved_times({"chunked": lambda: chunked(logits, actions), "naive": lambda: naive(logits, actions),
+                           "full-grad": lambda: full_grad(logits, actions)},
                           repeats=args.repeats, warmup=1, device=device)
 med = {name: median(ts) for name, ts in times.items()}
 time_ratio = med["chunked"] / med["naive"]
 
 mib = 2 ** 20
 print(f"entropy_sensitivity (chunked, default chunk) vs naive full [N, V] float32, N={args.n}, V={args.vocab} "
-      f"(logits {logits.numel() * 4 / mib:.0f} MiB), device={device}, torch {torch.__version__}, "
+      f"{args.dtype} (logits {logits.numel() * logits.element_size() / mib:.0f} MiB), device={device}, torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
 print(f"  max abs diff chunked vs naive: entropy {diffs['entropy']:.3g}, surprisal {diffs['surprisal']:.3g}, "
       f"phi {diffs['phi']:.3g}")
 how = ("max_memory_allocated - memory_allocated before" if device.type == "cuda"
        else "peak RSS (ru_maxrss) - RSS after the inputs")
 print(f"  extra peak memory, worst of {args.mem_repeats} fresh processes each, {how}:")
-for variant in ("chunked", "naive"):
+for variant in ("chunked", "naive", "full-grad"):
     all_runs = ", ".join(f"{r['extra_bytes'] / mib:.1f}" for r in runs[variant])
     print(f"  {variant + ':':8s} {memory[variant]['extra_bytes'] / mib:9.1f} MiB  (runs: {all_runs}){memory[variant]['note']}")
 print(f"  memory ratio chunked/naive = {mem_ratio:.3f}   target <= {MEMORY_TARGET:.2f}   {verdict(mem_ratio, MEMORY_TARGET)}")
 print(f"  {args.repeats} interleaved samples; medians:")
 print(f"  chunked: {med['chunked'] * 1e3:9.1f} ms")
 print(f"  naive:   {med['naive'] * 1e3:9.1f} ms")
+print(f"  full-grad (OpenRLHF's entropy path): {med['full-grad'] * 1e3:.1f} ms, "
+      f"{memory['full-grad']['extra_bytes'] / mib:.1f} MiB extra; chunked/full-grad: time "
+      f"{med['chunked'] / med['full-grad']:.3f}, memory {memory['chunked']['extra_bytes'] / memory['full-grad']['extra_bytes']:.3f}")
 print(f"  time ratio chunked/naive = {time_ratio:.3f}   target <= {TIME_TARGET:.2f}   {verdict(time_ratio, TIME_TARGET)}")
 print(load.line())
 print_result({
@@ -175,7 +196,8 @@ print_result({
     "chunked_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["chunked"]],
     "naive_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["naive"]],
     "memory_ratio": mem_ratio, "memory_target": MEMORY_TARGET, "memory_pass": mem_ratio <= MEMORY_TARGET,
-    "chunked_ms": med["chunked"] * 1e3, "naive_ms": med["naive"] * 1e3,
+    "chunked_ms": med["chunked"] * 1e3, "naive_ms": med["naive"] * 1e3, "dtype": args.dtype,
+    "full_grad_ms": med["full-grad"] * 1e3, "full_grad_extra_mib": memory["full-grad"]["extra_bytes"] / mib,
     "time_ratio": time_ratio, "time_target": TIME_TARGET, "time_pass": time_ratio <= TIME_TARGET,
     "pass": mem_ratio <= MEMORY_TARGET and time_ratio <= TIME_TARGET,
 })
