@@ -23,7 +23,7 @@ TB_TAGS: dict[str, tuple[str, ...]] = {
     "reward_mean": ("train/reward",),
     "response_length": ("train/response_length",),
     "stare/target": ("train/stare/target",),
-    "stare/gate_on": ("train/stare/gate",),
+    "stare/gate_on": ("train/stare/gate", "train/stare/gate_on"),  # the plugin's ControllerState.as_metrics: gate_on
     "stare/w": ("train/stare/w",),
     "stare/m": ("train/stare/m",),
 }
