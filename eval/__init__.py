@@ -1,7 +1,7 @@
 """stare.eval: benchmark evaluation building blocks (data, math-verify scoring, avg@k / pass@k / maj@k, intervals).
 
-The end-to-end harness (``stare eval``), the lm-eval tasks and ``stare compare`` are tracked in the eval
-issue; the pieces below are done and tested, and the local engine already uses ``pass_at_k``.
+``harness`` is ``stare eval`` (HF and vLLM backends), ``lm_eval_harness`` runs the lm-eval tasks shipped in
+``lm_eval_tasks`` (``stare eval --harness lm-eval``); the local engine uses ``pass_at_k`` for its held-out numbers.
 """
 from .data import BENCHES, Problem, load_bench, repair_escapes
 from .metrics import (

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tiny_models import COMPLETIONS, PROBLEMS, build_tiny_model, write_problems
+from tiny_models import COMPLETIONS, INSTRUCTION, PROBLEMS, build_tiny_model, write_problems
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval==0.4.13')")
 
@@ -67,6 +67,23 @@ def test_shipped_tasks_are_registered_and_keep_every_sample():
         assert cfg["process_results"].endswith("utils.process_results")
 
 
+@pytest.mark.parametrize("bench", ["aime24", "aime25"])
+def test_task_docs_equal_the_stare_harness_problems(bench):
+    """On the shared AIME copies: the lm-eval task's documents are the problems `stare eval` reads from that file."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime" / f"{bench}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here")
+    import datasets
+
+    from stare.eval import load_bench
+
+    docs = list(utils.process_docs(datasets.load_dataset("json", data_files={"test": str(path)})["test"]))
+    assert docs == [{"id": p.id, "problem": p.problem, "answer": p.answer} for p in load_bench(bench, data_file=path)]
+    assert len(docs) == 30 and all(0 <= int(d["answer"]) <= 999 for d in docs)
+
+
 # ---- a run through lm-eval's HF model ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def boxed_model(tmp_path_factory):
@@ -108,6 +125,8 @@ def test_lm_eval_run_matches_a_recomputation_from_its_sample_log(boxed_model, tm
     p3 = [r for s in log if s["doc"]["id"] == "p3" for r in s["filtered_resps"][0]]
     assert any("\\boxed{033}" in r for r in p3) and per_problem["p3"] > 0
     assert all(r in COMPLETIONS for s in log for r in s["filtered_resps"][0])
+    # the prompt lm-eval sent is the stare harness's (no chat template on this tokenizer)
+    assert all(s["arguments"][0][0] == f"{s['doc']['problem']}\n{INSTRUCTION}" for s in log)
 
     assert summary["harness"] == "lm-eval" and summary["bench"] == "aime24" and summary["model"] == str(boxed_model)
     assert summary["k"] == k and summary["n_problems"] == 3 and summary["versions"]["lm-eval"] == "0.4.13"
