@@ -230,20 +230,25 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
                 continue
             prompt = backend.prompt_text(p.problem, proto.instruction)
             generated = backend.generate(prompt, proto.k, proto, seed * 1_000_003 + i)
-            correct = score_many([(text, p.answer) for text, _ in generated], timeout=score_timeout)
-            recs = [{"problem_id": p.id, "sample_idx": j, "response": text, "extracted": extract_boxed(text),
-                     "correct": bool(ok), "num_tokens": n_tok}
-                    for j, ((text, n_tok), ok) in enumerate(zip(generated, correct))]
+            # a tool-use backend (stare.cli.agent.multiturn) adds a dict per sample: turns, tool calls, and the
+            # final answer turn, which alone is scored (a boxed value printed by a tool is not the model's answer)
+            extras = [dict(g[2]) if len(g) > 2 else {} for g in generated]
+            scored = [(x.pop("answer_text") or "") if "answer_text" in x else g[0] for g, x in zip(generated, extras)]
+            correct = score_many([(text, p.answer) for text in scored], timeout=score_timeout)
+            recs = [{"problem_id": p.id, "sample_idx": j, "response": g[0], "extracted": extract_boxed(text),
+                     "correct": bool(ok), "num_tokens": g[1], **x}
+                    for j, (g, text, x, ok) in enumerate(zip(generated, scored, extras, correct))]
             f.write("".join(json.dumps(r) + "\n" for r in recs))
             f.flush()
             os.fsync(f.fileno())
             results[p.id] = recs
             if progress:
                 progress(proto.k)
-    return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out)
+    return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out,
+                     tools=getattr(backend, "tools_info", None))
 
 
-def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path) -> dict:
+def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path, tools=None) -> dict:
     ordered = [results[p.id] for p in problems]
     correct = [[r["correct"] for r in recs] for recs in ordered]
     extracted = [[r["extracted"] for r in recs] for recs in ordered]
@@ -266,6 +271,11 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
         "versions": _versions(),
         "per_problem": [{"id": p.id, "accuracy": acc, "answer": p.answer} for p, acc in zip(problems, per_problem)],
     }
+    if tools is not None:  # --tools: the tool settings and the mean turns / tool calls per sample
+        flat = [r for recs in ordered for r in recs]
+        summary["tools"] = tools
+        summary["mean_turns"] = sum(r.get("turns", 0) for r in flat) / len(flat)
+        summary["mean_tool_calls"] = sum(r.get("tool_calls", 0) for r in flat) / len(flat)
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out / "summary.json")
@@ -279,6 +289,8 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
           f"| maj@{k} | {summary['maj_at_k']:.4f} | [{ci['maj_at_k'][0]:.4f}, {ci['maj_at_k'][1]:.4f}] |",
           f"| mean response tokens | {summary['mean_response_tokens']:.1f} | |",
           f"| reflection words per 1k tokens | {summary['reflection_per_1k_tokens']:.2f} | |",
+          *([f"| mean turns | {summary['mean_turns']:.2f} | |",
+             f"| mean tool calls | {summary['mean_tool_calls']:.2f} | |"] if tools is not None else []),
           "", "| problem | answer | accuracy |", "|---|---|---|"]
     md += [f"| {row['id']} | {row['answer']} | {row['accuracy']:.3f} |" for row in summary["per_problem"]]
     (out / "summary.md").write_text("\n".join(md) + "\n")

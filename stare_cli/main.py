@@ -310,6 +310,8 @@ def eval_(
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: evals/BENCH)."),
     resume: bool = typer.Option(False, "--resume", help="Skip samples already in OUT/samples.jsonl."),
+    tools: Optional[str] = typer.Option(None, "--tools", help="python: multi-turn tool use, code blocks run in a "
+                                                              "sandbox (settings: STARE_TOOL_* variables)."),
 ) -> None:
     """Evaluate a model on a math benchmark: avg@k, pass@k, maj@k with 95% bootstrap intervals.
 
@@ -327,6 +329,18 @@ def eval_(
         fail(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if harness not in harnesses:
         fail(f"unknown harness {harness!r}; valid harnesses: {', '.join(harnesses)}")
+    if tools is not None:
+        from .agent.loop import ToolConfig
+        from .agent.multiturn import TOOLS, ToolUseBackend
+
+        if tools not in TOOLS:
+            fail(f"unknown tool {tools!r}; valid tools: {', '.join(TOOLS)}")
+        if harness != "stare":
+            fail("--tools works with --harness stare only")
+        try:
+            tool_config = ToolConfig.from_env()
+        except ValueError as exc:
+            fail(str(exc))
     if harness == "lm-eval":
         from stare.eval.lm_eval_harness import LmEvalError, require_lm_eval, task_name
 
@@ -378,6 +392,11 @@ def eval_(
                       f"{summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
         return
     engine = make_backend(backend, model, tp, seed)
+    if tools is not None:
+        try:
+            engine = ToolUseBackend(engine, tool_config, tools)
+        except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
+            fail(str(exc))
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(problems) * proto.k
