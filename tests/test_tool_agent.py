@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stare.cli.agent.loop import (TOOL_INSTRUCTION, ObservationFormat, ToolConfig, ToolEpisode, chat_format,
+from stare.cli.agent.loop import (TOOL_INSTRUCTION, ToolConfig, ToolEpisode, chat_format,
                                   format_for, observation_body, parse_action, plain_format)
 from stare.cli.agent.sandbox import SandboxResult
 from tiny_models import INSTRUCTION, PROBLEMS, build_tiny_model, write_problems
