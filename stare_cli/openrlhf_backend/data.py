@@ -50,7 +50,7 @@ def normalise_row(row: dict, where: str) -> tuple[str, str]:
     return problem.strip(), str(answer).strip()
 
 
-def _read_rows(source: str, split: str) -> tuple[list[dict], str]:
+def _read_rows(source: str, split: str):
     path = Path(source)
     if path.suffix.lower() in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.is_file():
@@ -78,7 +78,8 @@ def _read_rows(source: str, split: str) -> tuple[list[dict], str]:
         raise ValueError(f"training data {source!r} is neither a file nor a hub id (owner/name)")
     import datasets
 
-    return list(datasets.load_dataset(source, split=split)), f"{source}[{split}]"
+    # the dataset itself (iterable, sized): DAPO-Math-17k as published has about 1.8M rows, not worth a list
+    return datasets.load_dataset(source, split=split), f"{source}[{split}]"
 
 
 def prepare_prompts(source: str, template: str, out_file: Path, *, split: str = "train") -> dict:
