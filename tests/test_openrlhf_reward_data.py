@@ -112,3 +112,30 @@ def test_prepare_prompts_applies_the_template_and_drops_repeats(tmp_path):
         prepare_prompts(str(bad), template, tmp_path / "o.jsonl")
     with pytest.raises(ValueError, match="neither a file nor a hub id"):
         prepare_prompts("no-such-file", template, tmp_path / "o.jsonl")
+
+
+def test_start_writes_the_prompt_file_the_argv_names_then_launches(tmp_path, monkeypatch):
+    from stare.cli.openrlhf_backend.argv import SETTINGS_ENV
+    from stare.cli.presets import resolve
+
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"problem": "What is $2+2$?", "answer": "4"}\n')
+    resolved = resolve("qwen-7b-short-cot", "stare", [f"data={src}"])
+    plan = orl.plan(resolved, tmp_path / "run")
+    called = {}
+    monkeypatch.setattr(orl, "launch", lambda argv, ray_address=None: called.update(argv=argv, address=ray_address))
+    import os
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != SETTINGS_ENV})  # restored after
+    orl.start(resolved, plan, log=lambda *a: None)
+    assert called == {"argv": plan["openrlhf_argv"], "address": None}
+    argv = plan["openrlhf_argv"]
+    prompt_file = argv[argv.index("--data.prompt_dataset") + 1]
+    rows = [json.loads(x) for x in open(prompt_file)]
+    assert rows == [{"prompt": "What is $2+2$?\nPlease reason step by step, and put your final answer within "
+                               "\\boxed{}.", "label": "4"}]
+    assert (tmp_path / "run" / "command.sh").read_text().splitlines()[1] == plan["command"]
+    assert json.loads(os.environ[SETTINGS_ENV])["algo"]["name"] == "stare"  # what Ray hands the workers
+    bad = resolve("qwen-7b-short-cot", "stare", [f"data={tmp_path / 'missing.jsonl'}"])
+    with pytest.raises(orl.LaunchError, match="training data file not found"):
+        orl.start(bad, orl.plan(bad, tmp_path / "run2"), log=lambda *a: None)
