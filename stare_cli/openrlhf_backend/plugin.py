@@ -116,8 +116,8 @@ class StarePolicyLoss(PolicyLoss):
         if w is not None:
             if w.shape != advantages.shape:
                 raise ValueError(f"STARE weights {tuple(w.shape)} do not match the advantages {tuple(advantages.shape)}")
-            if not bool((w > 0).all()):
-                raise ValueError("STARE weights must be > 0 (a weight <= 0 would flip or drop the clipped objective)")
+            # w > 0 holds by construction (W, M and damp are validated > 0); no host read here, the loss
+            # runs once per micro-batch and must not synchronise
             advantages = advantages * w.to(device=advantages.device, dtype=advantages.dtype)
         return super().forward(log_probs, old_log_probs, advantages, action_mask, *args, **kwargs)
 
