@@ -213,17 +213,20 @@ def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resum
         return
     from .local.trainer import RunDirError, check_run_dir, prepare_run_dir
 
+    from .openrlhf_backend import OpenRLHFVersionError
+
     try:
         check_run_dir(out, resolved, resume)
         if ray_address:
             orl.check_ray_address(ray_address)
-        from .openrlhf_backend.plugin import OpenRLHFVersionError, check_openrlhf_version
     except (RunDirError, orl.LaunchError) as exc:
         fail(str(exc))
+    try:
+        from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
     except ImportError as exc:
         fail(f"the GPU training stack is not installed ({exc}); pip install 'stare[openrlhf]' or use the "
              "Docker image (see the README)", code=1)
-    except OpenRLHFVersionError as exc:  # raised on import of the plugin
+    except OpenRLHFVersionError as exc:
         fail(str(exc), code=1)
     prepare_run_dir(out, resolved, resume)
     console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {out}")

@@ -93,3 +93,15 @@ def test_a_good_gpu_preset_file_fills_defaults():
 def test_gpu_preset_file_validation(edit, pattern):
     with pytest.raises(PresetError, match=pattern):
         parse_preset(GPU.replace(*edit), source="x.yaml", expected_name="x")
+
+
+def test_another_openrlhf_version_is_refused_before_anything_is_written(tmp_path):
+    code = ("import importlib.metadata as md\n"
+            "real = md.version\n"
+            "md.version = lambda n: '0.11.0' if n == 'openrlhf' else real(n)\n"
+            "from stare.cli.main import main; main()\n")
+    res = subprocess.run([sys.executable, "-c", code, "train", "--preset", "qwen-7b-short-cot", "--out", "run"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 1, res.stderr
+    assert "written against openrlhf==0.11.2, found 0.11.0" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()

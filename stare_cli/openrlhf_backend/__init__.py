@@ -8,3 +8,30 @@
   subclass, the weighted loss, the once-per-step selection and entropy controller, telemetry, checkpoints.
 - ``launch``: the driver: Ray, plugin registration, then OpenRLHF's own CLI module.
 """
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+# The one OpenRLHF release the plugin is written against. Checked when the plugin is imported; here (not in
+# plugin.py) so that the CLI can name the error class without importing OpenRLHF.
+OPENRLHF_VERSION = "0.11.2"
+
+
+class OpenRLHFVersionError(RuntimeError):
+    pass
+
+
+def check_openrlhf_version(found: str | None = None) -> str:
+    """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly 0.11.2."""
+    if found is None:
+        try:
+            found = version("openrlhf")
+        except PackageNotFoundError:
+            raise OpenRLHFVersionError(
+                f"OpenRLHF is not installed; this build of stare plugs into openrlhf=={OPENRLHF_VERSION} "
+                f"(pip install 'stare[openrlhf]', or use the Docker image)") from None
+    if found != OPENRLHF_VERSION:
+        raise OpenRLHFVersionError(
+            f"stare's OpenRLHF plugin is written against openrlhf=={OPENRLHF_VERSION}, found {found}; "
+            f"install openrlhf=={OPENRLHF_VERSION} (pip install 'openrlhf=={OPENRLHF_VERSION}')")
+    return found

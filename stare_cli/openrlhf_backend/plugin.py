@@ -33,31 +33,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-OPENRLHF_VERSION = "0.11.2"
-
-
-class OpenRLHFVersionError(RuntimeError):
-    pass
-
-
-def check_openrlhf_version(found: str | None = None) -> str:
-    """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly 0.11.2."""
-    if found is None:
-        try:
-            found = version("openrlhf")
-        except PackageNotFoundError:
-            raise OpenRLHFVersionError(
-                f"OpenRLHF is not installed; this build of stare plugs into openrlhf=={OPENRLHF_VERSION} "
-                f"(pip install 'stare[openrlhf]', or use the Docker image)") from None
-    if found != OPENRLHF_VERSION:
-        raise OpenRLHFVersionError(
-            f"stare's OpenRLHF plugin is written against openrlhf=={OPENRLHF_VERSION}, found {found}; "
-            f"install openrlhf=={OPENRLHF_VERSION} (pip install 'openrlhf=={OPENRLHF_VERSION}')")
-    return found
-
+from . import OPENRLHF_VERSION, OpenRLHFVersionError, check_openrlhf_version  # noqa: F401 (re-exported)
 
 check_openrlhf_version()
 
