@@ -50,6 +50,7 @@ from stare.algorithms import (  # noqa: E402
     entropy_sensitivity,
     predicted_entropy_change,
     quadrant_stats,
+    reweight_stats,
     stare_token_weights,
 )
 
@@ -115,13 +116,13 @@ def _pad_rows(rows: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
 class StareActorTrainer(ActorPPOTrainer):
     """OpenRLHF's ``ActorPPOTrainer`` with STARE. Never constructed: ``install`` re-classes OpenRLHF's own."""
 
-    def stare_setup(self, cfg: AlgoConfig, run: str = "") -> None:
+    def stare_setup(self, cfg: AlgoConfig) -> None:
         self.stare_cfg = cfg
         self.stare_controller = cfg.make_controller()
         self.stare_state = None  # this step's ControllerState
-        self.stare_run = run
         self.stare_prev = {"entropy": None, "forecast": None}  # for the measured-vs-predicted change
-        self._stare_rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # uid -> (weights, phi)
+        # uid -> (weights row: global scope with the gate on, phi row: micro_batch scope), on the device
+        self._stare_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
     # ---- distributed helpers --------------------------------------------------------------------
     def _stare_group(self):
@@ -142,7 +143,8 @@ class StareActorTrainer(ActorPPOTrainer):
     # ---- the old policy's entropy and Phi, in one no-grad pass ----------------------------------
     @torch.no_grad()
     def _stare_old_policy_stats(self, items) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(entropy, phi) per buffer item over its action positions, from the current (= old) policy."""
+        """(entropy, phi) per buffer item over its action positions, from the current (= old) policy, on the
+        training device."""
         groups: list[list[int]] = []
         if self.args.train.dynamic_batch_enable:
             # Token-budget groups, by length so padding stays small. The logits come back padded to
@@ -186,7 +188,7 @@ class StareActorTrainer(ActorPPOTrainer):
                     continue  # a padding pass for collective lockstep
                 for row, i in enumerate(idx):
                     n = items[i].action_mask.shape[0]
-                    out[i] = (stats.entropy[row, :n].cpu(), stats.phi[row, :n].cpu())
+                    out[i] = (stats.entropy[row, :n], stats.phi[row, :n])
         finally:
             self.actor.train(was_training)
         return out
@@ -207,8 +209,8 @@ class StareActorTrainer(ActorPPOTrainer):
             mask = _pad_rows([it.action_mask.to(device) for it in items], width, 0).bool()
             logp = _pad_rows([it.action_log_probs.to(device).float() for it in items], width, 0.0)
             adv = _pad_rows([it.advantages.to(device).float() for it in items], width, 0.0)
-            ent = _pad_rows([s[0].to(device) for s in stats], width, 0.0)
-            phi = _pad_rows([s[1].to(device) for s in stats], width, 0.0)
+            ent = _pad_rows([s[0] for s in stats], width, 0.0)
+            phi = _pad_rows([s[1] for s in stats], width, 0.0)
         else:  # a rank with an empty buffer still joins every collective below
             mask = torch.zeros(1, 1, dtype=torch.bool, device=device)
             logp = adv = ent = phi = torch.zeros(1, 1, device=device)
@@ -239,25 +241,25 @@ class StareActorTrainer(ActorPPOTrainer):
             metrics["stare/entropy_change_forecast"] = prev["forecast"]
         self.stare_prev = {"entropy": batch_entropy, "forecast": metrics["stare/entropy_forecast"]}
 
+        keep_phi = cfg.scope == "micro_batch"
         for uid, item in enumerate(items):
             n = item.action_mask.shape[0]
-            w_row = weights[uid, :n].detach().cpu() if weights is not None else None
-            self._stare_rows[uid] = (w_row, phi[uid, :n].detach().cpu())
+            self._stare_rows[uid] = (weights[uid, :n] if weights is not None else None,
+                                     phi[uid, :n] if keep_phi else None)
         return metrics
 
     def _stare_telemetry(self, mask, logp, adv, ent, phi, weights) -> dict[str, float]:
         """Step-level shares and forecasts, exact over all ranks (numerators and counts all-reduced)."""
         m = mask.float()
-        pos, neg = m * (adv > 0), m * (adv < 0)
-        w = weights if weights is not None else torch.ones_like(m)
-        changed = (w != 1.0).float()
+        n_pos, n_neg = (m * (adv > 0)).sum(), (m * (adv < 0)).sum()
+        reweighted = reweight_stats(weights if weights is not None else torch.ones_like(m), adv, mask)
         quads = quadrant_stats(-logp, ent, adv, mask, phi=phi)
-        active = (pos + neg).sum()
-        # (numerator, denominator) pairs; a share's numerator is share x local denominator
+        active = n_pos + n_neg
+        # (numerator, denominator) pairs: each rank's share times its own denominator, summed over ranks
         pairs = {
-            "stare/positive_reweight_ratio": ((changed * pos).sum(), pos.sum()),
-            "stare/negative_reweight_ratio": ((changed * neg).sum(), neg.sum()),
-            "stare/mean_weight": ((w * m).sum(), m.sum()),
+            "stare/positive_reweight_ratio": (reweighted["positive_reweight_ratio"] * n_pos, n_pos),
+            "stare/negative_reweight_ratio": (reweighted["negative_reweight_ratio"] * n_neg, n_neg),
+            "stare/mean_weight": (reweighted["mean_weight"] * m.sum(), m.sum()),
             "stare/entropy_forecast": (predicted_entropy_change(phi, adv, mask, weights=weights) * m.sum(), m.sum()),
             "stare/entropy_forecast_base": (predicted_entropy_change(phi, adv, mask) * m.sum(), m.sum()),
         }
@@ -287,8 +289,8 @@ class StareActorTrainer(ActorPPOTrainer):
         weights = stare_token_weights(experience.action_log_probs.detach().float(),
                                       experience.advantages.float(), experience.action_mask, phi=phi,
                                       **self.stare_cfg.selection_kwargs(), **state.weight_kwargs())
-        m = experience.action_mask.float()
-        experience.info["stare/micro_batch_mean_weight"] = (weights * m).sum() / m.sum().clamp(min=1.0)
+        experience.info["stare/micro_batch_mean_weight"] = reweight_stats(
+            weights, experience.advantages, experience.action_mask)["mean_weight"]
         return weights
 
     # ---- OpenRLHF's entry points ----------------------------------------------------------------
@@ -357,11 +359,11 @@ def load_stare_state(trainer: StareActorTrainer, ckpt_path: str) -> str | None:
 
 def install(actor_host, environ=None) -> StareActorTrainer:
     """Turn an OpenRLHF policy actor's trainer and loss into STARE's (after ``init_model_from_pretrained``)."""
-    cfg, run = load_settings(environ)
+    cfg, _ = load_settings(environ)
     trainer = actor_host.trainer
     trainer.__class__ = StareActorTrainer
     trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn)
-    trainer.stare_setup(cfg, run)
+    trainer.stare_setup(cfg)
     return trainer
 
 
