@@ -39,9 +39,7 @@ def check_ray_address(address: str, timeout: float = 3.0) -> None:
     """Fail early and clearly when a given Ray address cannot be reached (``auto`` is left to Ray)."""
     if address == "auto":
         return
-    check_address_syntax(address)
-    url = urlparse(address if "://" in address else f"ray://{address}")
-    host, port = url.hostname, url.port
+    host, port = check_address_syntax(address)
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
@@ -50,9 +48,10 @@ def check_ray_address(address: str, timeout: float = 3.0) -> None:
                           "`ray start --head` on the head node, or omit --ray-address to start one here") from None
 
 
-def check_address_syntax(address: str) -> None:
+def check_address_syntax(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a Ray address (None for ``auto``); ``LaunchError`` when it is not HOST:PORT."""
     if address == "auto":
-        return
+        return None
     url = urlparse(address if "://" in address else f"ray://{address}")
     try:
         port = url.port
@@ -60,6 +59,7 @@ def check_address_syntax(address: str) -> None:
         port = None
     if not url.hostname or not port:
         raise LaunchError(f"--ray-address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379, ray://head:10001, auto)")
+    return url.hostname, port
 
 
 def plan(resolved: dict, out, ray_address: str | None = None) -> dict:
@@ -104,15 +104,15 @@ def substitute_secrets(argv: list[str], environ=None) -> list[str]:
 
 
 def launch(argv: list[str], *, ray_address: str | None = None, environ=None) -> None:
-    """Start Ray (or join ``ray_address``), register the STARE actor, run OpenRLHF's train_ppo_ray."""
+    """Start Ray (or join ``ray_address``), register the STARE actor, run OpenRLHF's train_ppo_ray.
+
+    The address is not probed here: ``stare train`` and ``main`` check it before anything starts."""
     from . import plugin  # checks the OpenRLHF version on import
 
     plugin.load_settings(environ)  # fail here, not in a worker, on bad settings
     argv = substitute_secrets(argv, environ)
     import ray
 
-    if ray_address:
-        check_ray_address(ray_address)
     if not ray.is_initialized():
         ray.init(address=ray_address or None, runtime_env=runtime_env(environ))
     plugin.register()
@@ -125,8 +125,11 @@ def launch(argv: list[str], *, ray_address: str | None = None, environ=None) -> 
 
 
 def main() -> None:
+    address = os.environ.get("RAY_ADDRESS") or None
     try:
-        launch(sys.argv[1:], ray_address=os.environ.get("RAY_ADDRESS") or None)
+        if address:
+            check_ray_address(address)
+        launch(sys.argv[1:], ray_address=address)
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
