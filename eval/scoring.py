@@ -41,7 +41,7 @@ _POOL_START_TIMEOUT_S = 120.0  # spawning + importing sympy/math-verify in the w
 # 1. Extraction
 # --------------------------------------------------------------------------------------------------
 
-_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")  # where a box starts (also the tool loop's test)
 
 
 def _match_braces(text: str, open_at: int) -> int | None:
@@ -73,7 +73,7 @@ def extract_boxed(text: str) -> str | None:
         return None
     last = None
     pos = 0
-    while (m := _BOX_COMMAND.search(text, pos)) is not None:
+    while (m := BOX_COMMAND.search(text, pos)) is not None:
         start = m.end()
         after = start
         while after < len(text) and text[after].isspace():

@@ -30,28 +30,19 @@ TOOL_INSTRUCTION = ("You may write Python code in ```python blocks; each block i
                     "you.")
 # a closed ```python (or ```py) block; the code is group 1
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\r?\n(.*?)```", re.DOTALL)
-_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 OUTPUT_FENCE = "```output"
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_number(name: str, default, kind=int):
+    """``kind(os.environ[name])``, ``default`` when unset or empty; a clear error naming the variable."""
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -80,10 +71,10 @@ class ToolConfig:
     @classmethod
     def from_env(cls) -> "ToolConfig":
         d = cls()
-        return cls(max_turns=_env_int("STARE_TOOL_MAX_TURNS", d.max_turns),
-                   timeout_s=_env_float("STARE_TOOL_TIMEOUT_S", d.timeout_s),
-                   memory_mb=_env_int("STARE_TOOL_MEMORY_MB", d.memory_mb),
-                   max_output_chars=_env_int("STARE_TOOL_MAX_OUTPUT_CHARS", d.max_output_chars),
+        return cls(max_turns=_env_number("STARE_TOOL_MAX_TURNS", d.max_turns, int),
+                   timeout_s=_env_number("STARE_TOOL_TIMEOUT_S", d.timeout_s, float),
+                   memory_mb=_env_number("STARE_TOOL_MEMORY_MB", d.memory_mb, int),
+                   max_output_chars=_env_number("STARE_TOOL_MAX_OUTPUT_CHARS", d.max_output_chars, int),
                    format=os.environ.get("STARE_TOOL_FORMAT") or d.format)
 
 
@@ -107,13 +98,13 @@ class Action:
 
 def parse_action(text: str) -> Action:
     """What a model turn asks for: run its last closed python block, or give its final boxed answer."""
-    from stare.eval.scoring import extract_boxed
+    from stare.eval.scoring import BOX_COMMAND, extract_boxed
 
     blocks = list(_CODE_BLOCK.finditer(text))
     last_code = blocks[-1] if blocks else None
     answer = extract_boxed(text)
     last_box = None
-    for m in _BOX.finditer(text):
+    for m in BOX_COMMAND.finditer(text):
         last_box = m.start()
     if answer is not None and (last_code is None or (last_box is not None and last_box > last_code.end())):
         return Action("answer", answer=answer)
