@@ -174,15 +174,20 @@ def default_backend() -> str:
     return "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
 
 
+def check_backend(name: str) -> None:
+    """``ValueError`` (one line) when backend ``name`` is unknown or cannot run here."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(BACKENDS)}")
+    if name == "vllm" and not vllm_available():
+        raise ValueError("--backend vllm needs the vllm package, which is not importable here "
+                         "(pip install vllm==0.29.0 on a GPU machine); use --backend hf")
+
+
 def make_backend(name: str, model_path: str, tp: int = 1, seed: int = 0):
+    check_backend(name)
     if name == "hf":
         return HFBackend(model_path)
-    if name == "vllm":
-        if not vllm_available():
-            raise ValueError("--backend vllm needs the vllm package, which is not importable here "
-                             "(pip install vllm==0.29.0 on a GPU machine); use --backend hf")
-        return VLLMBackend(model_path, tp=tp, seed=seed)
-    raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(BACKENDS)}")
+    return VLLMBackend(model_path, tp=tp, seed=seed)
 
 
 def _versions() -> dict:

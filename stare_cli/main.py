@@ -323,13 +323,16 @@ def eval_(
     """
     from stare.eval import BENCHES, load_bench
     from stare.eval.data import local_data_file
-    from stare.eval.harness import BACKENDS, default_backend, make_backend, resolve_protocol, run_eval, vllm_available
+    from stare.eval.harness import check_backend, default_backend, make_backend, resolve_protocol, run_eval
 
     harnesses = ("stare", "lm-eval")
     if bench not in BENCHES:
         fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
-    if backend is not None and backend not in BACKENDS:
-        fail(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    try:
+        if backend is not None:
+            check_backend(backend)
+    except ValueError as exc:
+        fail(str(exc))
     if harness not in harnesses:
         fail(f"unknown harness {harness!r}; valid harnesses: {', '.join(harnesses)}")
     if tools is not None:
@@ -355,9 +358,6 @@ def eval_(
         if resume:
             fail("--resume works with --harness stare only; lm-eval runs a task from the start")
     backend = backend or default_backend()
-    if backend == "vllm" and not vllm_available():
-        fail("--backend vllm needs the vllm package, which is not importable here (pip install vllm==0.29.0 on a "
-             "GPU machine); use --backend hf")
     out_dir = out or Path("evals") / bench
     if model is None:
         final = out_dir / "final"
@@ -389,10 +389,7 @@ def eval_(
                                   limit=limit, seed=seed)
         except LmEvalError as exc:
             fail(str(exc))
-        kk = summary["k"]
-        console.print(f"{bench} ({summary['n_problems']} problems, protocol {proto.name}, lm-eval): avg@{kk} "
-                      f"{summary['avg_at_k']:.4f}  pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} "
-                      f"{summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
+        _print_eval_summary(bench, summary, f"protocol {proto.name}, lm-eval", out_dir)
         return
     engine = make_backend(backend, model, tp, seed)
     if tools is not None:
@@ -408,10 +405,13 @@ def eval_(
         task = progress.add_task(f"{bench} x {proto.k} samples", total=total)
         summary = run_eval(problems, engine, proto, out_dir, bench=bench, model=model, seed=seed, resume=resume,
                            progress=lambda n: progress.advance(task, n))
+    _print_eval_summary(bench, summary, f"protocol {proto.name}", out_dir)
+
+
+def _print_eval_summary(bench: str, summary: dict, how: str, out_dir: Path) -> None:
     kk = summary["k"]
-    console.print(f"{bench} ({summary['n_problems']} problems, protocol {proto.name}): avg@{kk} "
-                  f"{summary['avg_at_k']:.4f}  pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} "
-                  f"{summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
+    console.print(f"{bench} ({summary['n_problems']} problems, {how}): avg@{kk} {summary['avg_at_k']:.4f}  "
+                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
 
 
 @app.command()
