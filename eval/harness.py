@@ -190,14 +190,15 @@ def make_backend(name: str, model_path: str, tp: int = 1, seed: int = 0):
     return VLLMBackend(model_path, tp=tp, seed=seed)
 
 
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def _versions() -> dict:
-    out = {}
-    for pkg in ("transformers", "math-verify", "vllm", "torch"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
 
 
 def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:

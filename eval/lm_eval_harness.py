@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from .harness import Protocol, _versions
+from .harness import Protocol, _versions, package_version
 from .lm_eval_tasks import TASKS, TASKS_DIR
 from .metrics import bootstrap_ci, reflection_rate
 from .scoring import extract_boxed
@@ -147,7 +147,7 @@ def summarise(results: dict, samples: list[dict], proto: Protocol, *, bench, mod
     out.mkdir(parents=True, exist_ok=True)
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     versions = _versions()
-    versions["lm-eval"] = results.get("lm_eval_version") or _pkg_version("lm-eval")
+    versions["lm-eval"] = results.get("lm_eval_version") or package_version("lm-eval")
     counted = None not in tokens and tokens
     summary = {
         "bench": bench, "model": model, "harness": "lm-eval", "backend": backend, "seed": seed, "k": proto.k,
@@ -185,12 +185,3 @@ def summarise(results: dict, samples: list[dict], proto: Protocol, *, bench, mod
     md += [f"| {row['id']} | {row['answer']} | {row['accuracy']:.3f} |" for row in summary["per_problem"]]
     (out / "summary.md").write_text("\n".join(md) + "\n")
     return summary
-
-
-def _pkg_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
