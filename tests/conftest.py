@@ -85,15 +85,26 @@ class TestCodeOnDevice:
     def __enter__(self):
         import torch
 
-        self._generator = torch.Generator
-        real, target = torch.Generator, self.device
+        self._generator = real = torch.Generator
+        target = self.device
 
-        def generator(device=None):
-            if device is None and sys._getframe(1).f_code.co_filename.startswith(TESTS_DIR):
-                device = target
-            return real(device) if device is not None else real()
+        class Meta(type(real)):
+            def __instancecheck__(cls, obj):
+                return isinstance(obj, real)
 
-        torch.Generator = generator
+            def __subclasscheck__(cls, sub):
+                return issubclass(sub, real)
+
+        class Generator(real, metaclass=Meta):
+            """``torch.Generator`` as test code sees it: no device means ``device``. Still a type (annotations such
+            as ``torch.Generator | None`` in modules imported meanwhile work) and real generators are instances."""
+
+            def __new__(cls, device=None):
+                if device is None and sys._getframe(1).f_code.co_filename.startswith(TESTS_DIR):
+                    device = target
+                return real(device) if device is not None else real()
+
+        torch.Generator = Generator
         self.mode.__enter__()
         return self
 

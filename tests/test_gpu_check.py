@@ -25,6 +25,7 @@ def test_factories_called_from_test_code_go_to_the_device_and_library_calls_do_n
         a, b = torch.zeros(3), torch.tensor([1.0, 2.0])
         c = torch.ones(2, device="cpu")  # an explicit device is kept
         inner, gen = lib["make"]()
+        assert isinstance(real_generator(), torch.Generator) and isinstance(torch.Generator | None, object)
     assert a.device.type == "meta" and b.device.type == "meta" and c.device.type == "cpu"
     assert inner.device.type == "cpu" and gen.device.type == "cpu"  # the code under test keeps torch's default
     assert torch.Generator is real_generator and torch.zeros(1).device.type == "cpu"  # all undone on exit
