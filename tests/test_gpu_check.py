@@ -3,7 +3,6 @@
 No GPU here: the switch is exercised with torch's ``meta`` device, which needs none; the real run is
 ``bash scripts/gpu-check.sh`` on a GPU machine.
 """
-import json
 import subprocess
 import sys
 from pathlib import Path
