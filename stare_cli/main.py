@@ -17,10 +17,12 @@ from rich.table import Table
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES
 
+from . import errors
 from .presets import PresetError, load_preset, preset_names, resolve
 
 app = typer.Typer(
     name="stare",
+    cls=errors.StareGroup,  # one-line usage errors; on/off flags shown without a type
     help=(
         "RL post-training with STARE, GRPO and DAPO, and AIME avg@k evaluation.\n\n"
         "Start with `stare presets` (what can run) and `stare algos` (what each --algo means)."
@@ -35,8 +37,7 @@ err_console = Console(stderr=True)
 
 def fail(message: str, code: int = 2) -> None:
     """Print a one-line error and exit (code 2: bad usage)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+    errors.fail(message, code)  # escaped: rich would eat [...] in user values and hints
 
 
 def _version() -> str:
@@ -160,6 +161,7 @@ def train(
     first with --dry-run.
     """
     resolved = _resolve_or_fail(preset, algo, set_ or [])
+    errors.check_out_dir(out or Path("runs") / f"{preset}-{algo}")
     if resolved["backend"] == "openrlhf":
         _train_openrlhf(resolved, out or Path("runs") / f"{preset}-{algo}", ray_address, resume, dry_run)
         return
@@ -261,6 +263,7 @@ def run(
     n_seeds = seeds or int(p.settings.get("seeds", 1))
     resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
     out = out or Path("runs") / preset
+    errors.check_out_dir(out)
     marker = out / "run.yaml"
     import yaml
 
@@ -296,12 +299,12 @@ def eval_(
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="Model folder or hub id (default: the final checkpoint of the "
                                              "training run in --out)."),
-    k: Optional[int] = typer.Option(None, "--k", help="Samples per problem (default: the protocol's)."),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="Samples per problem (default: the protocol's)."),
     protocol: str = typer.Option("stare", "--protocol", help="stare (k 32, T 1.0, top_p 0.7), dapo, r1 (T 0.6, "
                                                             "top_p 0.95)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Overrides the protocol."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Overrides the protocol."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Overrides the protocol."),
     backend: Optional[str] = typer.Option(None, "--backend", help="vllm or hf (default: vllm when importable "
                                                                   "with a GPU, else hf)."),
     harness: str = typer.Option("stare", "--harness", help="stare (this project's harness) or lm-eval (the "
@@ -367,6 +370,7 @@ def eval_(
             fail("--model is required (or give --out a training run folder that has final/)")
     elif not Path(model).exists() and model.count("/") != 1:
         fail(f"model {model!r} is neither a folder nor a hub id (owner/name)")
+    errors.check_out_dir(out_dir)
     try:
         proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         local = local_data_file(bench, data_file)
@@ -377,6 +381,7 @@ def eval_(
     if (out_dir / "samples.jsonl").exists() and not resume:
         fail(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare" else "")
              + "use another --out (nothing was changed)")
+    errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
     from .local.runner import _quiet
 
     _quiet()
@@ -424,6 +429,7 @@ def compare(
     blank, never invented."""
     from .compare import compare as run_compare
 
+    errors.check_out_dir(out)
     try:
         rows = run_compare(list(dirs), out)
     except ValueError as exc:

@@ -1,0 +1,246 @@
+"""Bad input on the command line: one line on stderr, exit 2, naming the flag and the value; nothing written.
+
+Also the help (flags shown as flags) and rich markup (``[...]`` in user values and hints kept as typed).
+"""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from stare.cli import errors
+from stare.cli.main import app
+
+runner = CliRunner()
+COMMANDS = ("presets", "algos", "train", "run", "eval", "compare")
+
+
+def invoke(*args, **kw):
+    return runner.invoke(app, list(args), terminal_width=200, **kw)
+
+
+def one_line(res) -> str:
+    """The single error line of a failed command (exit 2, nothing on stdout, no traceback)."""
+    assert res.exit_code == 2, (res.exit_code, res.stdout, res.stderr, res.exception)
+    assert res.stdout == "", res.stdout
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr and lines[0].startswith("error: ")
+    return lines[0]
+
+
+def tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in root.rglob("*")}
+
+
+# --- the parser's own errors: every numeric option of every command -------------------------------------
+
+# (command prefix, flag, a value the parser refuses, what the line says about it)
+NUMERIC = [
+    (["run"], "--seeds", "0", "greater than or equal to 1"),
+    (["run"], "--parallel", "0", "greater than or equal to 1"),
+    (["run"], "--seeds", "two", "valid integer"),
+    (["run"], "--parallel", "1.5", "valid integer"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--limit", "0", "greater than or equal to 1"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--k", "0", "greater than or equal to 1"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--k", "-3", "greater than or equal to 1"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--tp", "0", "greater than or equal to 1"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--max-tokens", "0", "greater than or equal to 1"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--limit", "ten", "valid integer"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--seed", "s", "valid integer"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--temperature", "hot", "valid number"),
+    (["eval", "--bench", "aime24", "--model", "x/y"], "--top-p", "most", "valid number"),
+]
+
+
+@pytest.mark.parametrize("prefix, flag, value, why", NUMERIC)
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_numeric_option_errors_are_one_line_naming_flag_and_value(tmp_path, prefix, flag, value, why, form):
+    args = [*prefix, flag, value] if form == "space" else [*prefix, f"{flag}={value}"]
+    res = invoke(*args, "--out", str(tmp_path / "o"))
+    line = one_line(res)
+    assert f"{flag} {value}:" in line and why in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_ranged_option_of_every_command_is_covered():
+    """A new ``min=`` option must get a row above: every ranged option is listed there."""
+    cmd = typer.main.get_command(app)
+    ranged = set()
+    for name in COMMANDS:
+        for p in cmd.commands[name].params:
+            if getattr(p, "min", None) is not None or getattr(p, "max", None) is not None:
+                ranged.add((name, max(p.opts, key=len)))
+    covered = {(pre[0], flag) for pre, flag, value, why in NUMERIC if "greater" in why}
+    assert ranged and ranged <= covered, ranged - covered
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["run", "--bogus"], "no such option: --bogus (see 'stare run --help')"),
+    (["trian"], "no such command 'trian'. Did you mean 'train'?"),
+    (["train"], "missing option '--preset'"),
+    (["compare"], "missing argument"),
+    (["run", "--resume=1"], "option '--resume' does not take a value"),
+    (["eval", "--bench"], "option '--bench' requires an argument"),
+])
+def test_other_usage_errors_are_one_line(args, expected):
+    assert expected in one_line(invoke(*args))
+
+
+def test_no_arguments_still_prints_the_help():
+    res = invoke()
+    assert "Usage: stare" in res.stdout and "presets" in res.stdout and "Traceback" not in res.stderr
+
+
+def test_the_console_script_path_gives_one_line_too():
+    """What a shell runs: ``main()`` in a fresh interpreter (not the test runner's invoke)."""
+    res = subprocess.run([sys.executable, "-c", "from stare.cli.main import main; main()", "run", "--seeds", "0"],
+                         capture_output=True, text=True, cwd="/")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == "error: --seeds 0: input should be greater than or equal to 1", res.stderr
+
+
+# --- help: on/off flags take no value ------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_help_shows_flags_without_a_value_type(command):
+    res = invoke(*command, "--help")
+    assert res.exit_code == 0, res.output
+    assert "<bool>" not in res.stdout, res.stdout
+    assert "--help" in res.stdout
+    if command in (["train"], ["run"], ["eval"]):
+        assert "--resume" in res.stdout
+    if command and command[0] in ("run", "eval"):  # value-taking options keep their types
+        assert "<int" in res.stdout
+
+
+# --- --out naming a file ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def a_file(tmp_path):
+    f = tmp_path / "results.txt"
+    f.write_text("keep me\n")
+    return f
+
+
+def _out_cases(tmp_path, f):
+    model = tmp_path / "model"  # a folder that is not a model: loading it would raise, so the check comes first
+    model.mkdir()
+    (model / "config.json").write_text("not json")
+    run_dir = tmp_path / "somerun"
+    run_dir.mkdir()
+    return {
+        "run": ["run", "--preset", "tiny-cpu", "--set", "steps=1"],
+        "train": ["train", "--preset", "tiny-cpu", "--algo", "grpo", "--set", "steps=1"],
+        "train-dry-run": ["train", "--preset", "tiny-cpu", "--dry-run"],
+        "train-gpu-dry-run": ["train", "--preset", "qwen-7b-short-cot", "--dry-run"],
+        "eval": ["eval", "--bench", "aime24", "--model", str(model), "--backend", "hf"],
+        "compare": ["compare", str(run_dir)],
+    }
+
+
+@pytest.mark.parametrize("case", ["run", "train", "train-dry-run", "train-gpu-dry-run", "eval", "compare"])
+@pytest.mark.parametrize("below", [False, True])
+def test_out_naming_a_file_is_one_line_and_writes_nothing(tmp_path, a_file, case, below):
+    args = _out_cases(tmp_path, a_file)[case]
+    out = a_file / "sub" if below else a_file
+    before = tree(tmp_path)
+    t0 = time.monotonic()
+    line = one_line(invoke(*args, "--out", str(out)))
+    assert time.monotonic() - t0 < 20
+    assert f"--out {out}" in line
+    assert ("cannot be made: " + str(a_file) + " is a file") in line if below else "is a file, not a folder" in line
+    assert tree(tmp_path) == before  # nothing written, the file untouched
+
+
+# --- rich markup: [...] in values and hints is text ----------------------------------------------------
+
+def test_set_value_with_brackets_is_named():
+    line = one_line(invoke("train", "--preset", "tiny-cpu", "--set", "w=[big]", "--dry-run"))
+    assert "--set w=[big]" in line and "got list" in line
+
+
+def test_model_path_with_brackets_is_named(tmp_path):
+    line = one_line(invoke("eval", "--bench", "aime24", "--model", "runs/[tiny]/final", "--out", str(tmp_path / "o")))
+    assert "'runs/[tiny]/final'" in line
+
+
+def test_openrlhf_install_hint_keeps_the_extra(tmp_path, monkeypatch):
+    """Without OpenRLHF, the hint is the exact pip command (rich used to print ``pip install 'stare'``)."""
+    import stare.cli.openrlhf_backend as pkg
+
+    monkeypatch.setitem(sys.modules, "stare.cli.openrlhf_backend.plugin", None)  # import fails as when absent
+    monkeypatch.delattr(pkg, "plugin", raising=False)
+    res = invoke("train", "--preset", "qwen-7b-short-cot", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 1, res.output
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "pip install 'stare[openrlhf]'" in lines[0], res.stderr
+
+
+def test_fail_prints_markup_characters_as_typed(capsys):
+    with pytest.raises(typer.Exit) as info:
+        errors.fail("x [bold]y[/] [red] z\\[w]")
+    assert info.value.exit_code == 2
+    assert capsys.readouterr().err.strip() == "error: x [bold]y[/] [red] z\\[w]"
+
+
+# --- a hub-id-looking --model that is a mistyped path --------------------------------------------------
+
+def _eval_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"), **extra)
+    return env
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "no-network"])
+def test_mistyped_model_path_fails_in_seconds_naming_it(tmp_path, how):
+    extra = {"HF_HUB_OFFLINE": "1"} if how == "HF_HUB_OFFLINE" else {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n')
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "stare.cli.main", "eval", "--bench", "aime24", "--model",
+                          "tiny-cpu/stare", "--data-file", str(data), "--backend", "hf", "--out",
+                          str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path,
+                         env=_eval_env(tmp_path, **extra))
+    took = time.monotonic() - t0
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"--model tiny-cpu/stare: no folder {tmp_path / 'tiny-cpu' / 'stare'}" in lines[0]
+    assert ("HF_HUB_OFFLINE=1" if how == "HF_HUB_OFFLINE" else "cannot be reached") in lines[0]
+    assert took < 40, took  # the old code spent ~52 s on retries (imports alone take a few s on a busy CI core)
+    assert not (tmp_path / "o").exists()
+
+
+def test_hub_model_in_the_local_cache_passes_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    snap = tmp_path / "hub" / "models--owner--name" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--owner--name" / "refs").mkdir()
+    (tmp_path / "hub" / "models--owner--name" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    errors.check_model_source("owner/name")  # cached: no error
+    with pytest.raises(typer.Exit) as info:
+        errors.check_model_source("owner/other")
+    assert info.value.exit_code == 2
+
+
+def test_local_folder_model_is_never_looked_up(tmp_path, monkeypatch):
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(errors, "_hub_lookup", lambda *a: pytest.fail("a local folder must not reach the hub"))
+    errors.check_model_source("owner/name")
+
+
+def test_model_not_on_the_hub_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(errors, "_hub_lookup", lambda *a: (False, "no such model on the hub"))
+    with pytest.raises(typer.Exit):
+        errors.check_model_source("owner/typo")
+    assert "--model owner/typo: no folder" in capsys.readouterr().err
