@@ -32,6 +32,8 @@ except ImportError:  # pragma: no cover - older typer runs on click itself
     from click import exceptions as _click_exceptions
 
 err_console = Console(stderr=True)
+# typer's own Abort, and click's where typer still uses click's (older typer)
+_ABORTS = tuple({typer.Abort, getattr(_click_exceptions, "Abort", typer.Abort)})
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -126,7 +128,7 @@ class StareGroup(TyperGroup):
             err_console.print(f"[bold red]error:[/] {escape(usage_line(exc, argv))}", highlight=False,
                               soft_wrap=True)
             sys.exit(exc.exit_code)
-        except (typer.Abort, _click_exceptions.Abort):
+        except _ABORTS:
             err_console.print("Aborted.", highlight=False)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES
@@ -73,25 +74,27 @@ def presets() -> None:
         try:
             p = load_preset(name)
         except PresetError as exc:
-            table.add_row(name, "?", f"[red]invalid: {exc}[/]")
+            table.add_row(name, "?", f"[red]invalid: {escape(str(exc))}[/]")
             continue
-        table.add_row(p.name, p.backend, p.description)
+        table.add_row(p.name, p.backend, escape(p.description))
     console.print(table)
 
 
 @app.command()
 def algos(
-    settings: bool = typer.Option(False, "--settings", help="Also list every setting --set can override."),
+    settings: bool = typer.Option(False, "--settings", help="Also list every setting --set can override, with its defaults and meaning."),
 ) -> None:
     """List the algorithms --algo accepts and what each one means."""
     table = Table(title="stare algorithms")
     table.add_column("algo", style="bold cyan")
     table.add_column("description")
     for cfg in ALGORITHMS.values():
-        table.add_row(cfg.name, cfg.description)
+        table.add_row(cfg.name, escape(cfg.description))
     console.print(table)
     if settings:
-        console.print("settings (override with --set key=value): " + ", ".join(SETTING_NAMES))
+        from .settings_doc import print_settings
+
+        print_settings(console)  # every --set key: algorithm and run settings, defaults, meaning
 
 
 def _parse_algos(text: str) -> list[str]:
@@ -190,7 +193,7 @@ def train(
     settings = resolved["settings"]
     if settings.get("model", "tiny") == "tiny" and not (trainer.warmstart_dir / "warmstart.json").exists():
         console.print(f"warm start: {settings['warmstart_steps']} supervised steps on noisy demonstrations "
-                      f"(cached in {trainer.warmstart_dir})")
+                      f"(cached in {escape(str(trainer.warmstart_dir))})")
     with Progress(console=console) as progress:
         task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"])
 
@@ -199,7 +202,7 @@ def train(
 
         result = trainer.run(resume=resume, on_step=on_step)
     _print_eval(console, result)
-    console.print(f"run directory: {out}")
+    console.print(f"run directory: {escape(str(out))}")
 
 
 def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resume: bool, dry_run: bool) -> None:
@@ -231,9 +234,9 @@ def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resum
     except OpenRLHFVersionError as exc:
         fail(str(exc), code=1)
     prepare_run_dir(out, resolved, resume)
-    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {out}")
+    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {escape(str(out))}")
     try:
-        orl.start(resolved, plan, log=console.print)
+        orl.start(resolved, plan, log=errors.plain(console))
     except orl.LaunchError as exc:
         fail(str(exc))
 
@@ -281,7 +284,7 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     if not marker.exists():
         marker.write_text(yaml.safe_dump({"preset": preset, "algos": arm_names, "seeds": n_seeds}))
-    console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {out}")
+    console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {escape(str(out))}")
     try:
         dirs = run_arms(resolved, out, seeds=n_seeds, resume=resume, parallel=parallel, console=console)
     except RunDirError as exc:
@@ -290,7 +293,7 @@ def run(
     write_comparison(out, runs)
     plot_curves(out, runs)
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {out}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
+    console.print(f"wrote {escape(str(out))}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
 
 
 @app.command("eval")
@@ -416,7 +419,7 @@ def eval_(
 def _print_eval_summary(bench: str, summary: dict, how: str, out_dir: Path) -> None:
     kk = summary["k"]
     console.print(f"{bench} ({summary['n_problems']} problems, {how}): avg@{kk} {summary['avg_at_k']:.4f}  "
-                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
+                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {escape(str(out_dir))}/summary.md")
 
 
 @app.command()
@@ -435,7 +438,7 @@ def compare(
     except ValueError as exc:
         fail(str(exc))
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"{len(rows)} row(s) -> {out}/comparison.md, comparison.csv" +
+    console.print(f"{len(rows)} row(s) -> {escape(str(out))}/comparison.md, comparison.csv" +
                   (", plots" if (out / "entropy.png").exists() else ""))
 
 
