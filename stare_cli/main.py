@@ -194,11 +194,13 @@ def train(
     if settings.get("model", "tiny") == "tiny" and not (trainer.warmstart_dir / "warmstart.json").exists():
         console.print(f"warm start: {settings['warmstart_steps']} supervised steps on noisy demonstrations "
                       f"(cached in {escape(str(trainer.warmstart_dir))})")
-    with Progress(console=console) as progress:
-        task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"])
+    from .local import progress as bars
+
+    with Progress(*bars.columns(), console=console) as progress:  # steps, live reward and entropy, ETA
+        task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"], status="starting")
 
         def on_step(step, steps, rec):
-            progress.update(task, completed=step)
+            progress.update(task, completed=step, status=bars.live_status(rec))
 
         result = trainer.run(resume=resume, on_step=on_step)
     _print_eval(console, result)

@@ -244,3 +244,97 @@ def test_model_not_on_the_hub_is_one_line(monkeypatch, capsys):
     with pytest.raises(typer.Exit):
         errors.check_model_source("owner/typo")
     assert "--model owner/typo: no folder" in capsys.readouterr().err
+
+
+# --- words: presets and settings ------------------------------------------------------------------------
+
+def test_tiny_cpu_description_says_only_stare_phi_holds_entropy():
+    """README (tiny-cpu table): late entropy grpo 0.035, dapo 0.032, stare 0.038 (collapsed); stare-phi 0.321."""
+    from stare.cli.presets import load_preset
+
+    text = load_preset("tiny-cpu").description
+    assert "STARE's is held" not in text
+    assert "only stare-phi holds" in text and "stare collapse" in text
+
+
+def test_algos_settings_lists_every_key_with_defaults_and_meaning():
+    from stare.algorithms import ALGORITHMS, SETTING_NAMES
+    from stare.cli import settings_doc
+    from stare.cli.openrlhf_backend.argv import SCHEMA
+    from stare.cli.presets import load_preset, preset_names
+
+    local = [load_preset(n) for n in preset_names() if load_preset(n).backend == "local"]
+    local_keys = {k for p in local for k in p.settings}
+    assert set(settings_doc.ALGO_SETTING_HELP) == set(SETTING_NAMES)
+    assert set(settings_doc.LOCAL_RUN_SETTING_HELP) == local_keys
+    assert set(settings_doc.GPU_RUN_SETTING_HELP) == set(SCHEMA)
+    res = invoke("algos", "--settings")
+    assert res.exit_code == 0, res.output
+    rows = {}
+    for line in res.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 3 and cells[0]:
+            rows.setdefault(cells[0], cells)
+    for key in [*SETTING_NAMES, *local_keys, *SCHEMA]:
+        assert key in rows, key
+    # defaults read off the registry, not off the printed table: clip_high is 0.2 for grpo/dr-grpo, 0.28 else
+    assert {n: c.clip_high for n, c in ALGORITHMS.items()} == {"grpo": 0.2, "dr-grpo": 0.2, "dapo": 0.28,
+                                                               "stare": 0.28, "stare-c2": 0.28, "stare-phi": 0.28}
+    assert rows["clip_high"][1] == "0.28 (grpo, dr-grpo: 0.2)"
+    assert rows["w"][1] == "1.1 (stare-phi: 2)" and rows["std_norm"][1] == "true (dr-grpo: false)"
+    steps = {p.name: p.settings["steps"] for p in local}
+    assert steps["tiny-cpu"] == 200 and steps["smollm-cpu"] == 20
+    assert rows["steps"][1] == "200 (smollm-cpu: 20)" and rows["steps"][2] == "RL steps per arm"
+    assert rows["model"][1].startswith("tiny (smollm-cpu:")  # wrapped: smollm2-135m on the next line
+
+
+# --- DeepSpeed's accelerator warning on the CPU path ------------------------------------------------------
+
+def test_cpu_engine_does_not_print_deepspeed_accelerator_warning(tmp_path):
+    """Saving a model (what the local engine does for warm starts and checkpoints) makes accelerate import
+    DeepSpeed, whose accelerator detection warns on a machine without a GPU; the local engine keeps it quiet."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:  # scripts/test.sh installs it (the openrlhf-cpu extra)
+        pytest.skip("deepspeed is not installed: nothing prints the warning")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    save = ("from transformers import LlamaConfig, LlamaForCausalLM; "
+            "m = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, "
+            f"num_attention_heads=2, num_key_value_heads=2)); m.save_pretrained({str(tmp_path / 'm')!r}); ")
+    base = subprocess.run([sys.executable, "-c", save], capture_output=True, text=True, env=env)
+    assert base.returncode == 0, base.stderr[-2000:]
+    assert "Setting accelerator to CPU" in base.stdout + base.stderr  # the warning (without stare's engine)
+    ours = subprocess.run([sys.executable, "-c", "import stare.cli.local.trainer; " + save + "import warnings; "
+                           "warnings.warn('other warnings still show')"], capture_output=True, text=True, env=env)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert "Setting accelerator to CPU" not in ours.stdout + ours.stderr
+    assert "other warnings still show" in ours.stderr
+
+
+# --- progress: live reward, entropy, ETA ------------------------------------------------------------------
+
+def test_last_record_reads_the_last_complete_line(tmp_path):
+    from stare.cli.local.progress import last_record, live_status
+
+    f = tmp_path / "metrics.jsonl"
+    assert last_record(f) == (0, None)
+    f.write_text('{"step": 1, "reward_mean": 0.5, "entropy": 0.9}\n{"step": 2, "reward_mean": 0.625, "entropy": 0.4}\n'
+                 '{"step": 3, "rew')  # the writer is mid-line
+    n, rec = last_record(f)
+    assert n == 2 and rec["step"] == 2
+    assert live_status(rec) == "reward 0.62 H 0.40" and live_status(None) == "training"
+
+
+def test_train_progress_shows_live_reward_entropy_and_eta(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    res = invoke("train", "--preset", "tiny-cpu", "--algo", "grpo", "--out", str(out), "--set", "steps=3",
+                 "--set", "warmstart_steps=5", "--set", "eval_problems=4", "--set", "prompts_per_step=4",
+                 "--set", "samples_per_prompt=4", "--set", "train_problems=50")
+    assert res.exit_code == 0, (res.output, res.exception)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    bar = next(line for line in res.stdout.splitlines() if line.startswith("grpo on tiny-cpu"))
+    assert "3/3" in bar and f"reward {last['reward_mean']:.2f} H {last['entropy']:.2f}" in bar, bar
+    assert " eta " in bar and "Setting accelerator" not in res.output
