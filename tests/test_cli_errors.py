@@ -338,3 +338,35 @@ def test_train_progress_shows_live_reward_entropy_and_eta(tmp_path):
     bar = next(line for line in res.stdout.splitlines() if line.startswith("grpo on tiny-cpu"))
     assert "3/3" in bar and f"reward {last['reward_mean']:.2f} H {last['entropy']:.2f}" in bar, bar
     assert " eta " in bar and "Setting accelerator" not in res.output
+
+
+# --- scripts/test.sh: pip's expected resolver report ------------------------------------------------------
+
+def test_pip_filter_replaces_only_the_expected_resolver_report():
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    assert "scripts/pip_expected.awk" in (repo / "scripts" / "test.sh").read_text()
+    if shutil.which("awk") is None:
+        pytest.skip("no awk")
+    header = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
+              "installed. This behaviour is the source of the following dependency conflicts.")
+    text = "\n".join([
+        "Collecting x",
+        header,
+        "openrlhf 0.11.2 requires flash-attn==2.8.3, which is not installed.",
+        "openrlhf 0.11.2 requires pynvml>=12.0.0, which is not installed.",
+        header,
+        "openrlhf 0.11.2 requires pynvml, which is not installed.",
+        "foo 1.0 requires bar<2, but you have bar 3.0 which is incompatible.",
+        "ERROR: Could not find a version that satisfies the requirement nope",
+    ]) + "\n"
+    res = subprocess.run(["awk", "-f", str(repo / "scripts" / "pip_expected.awk")], input=text,
+                         capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    assert lines[0] == "Collecting x"
+    assert sum("note: pip reports OpenRLHF's flash-attn/pynvml" in x for x in lines) == 1
+    assert not any("openrlhf 0.11.2 requires" in x for x in lines)
+    assert lines[-3:] == [header, "foo 1.0 requires bar<2, but you have bar 3.0 which is incompatible.",
+                          "ERROR: Could not find a version that satisfies the requirement nope"]
+    assert len(lines) == 5
