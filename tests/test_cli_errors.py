@@ -329,7 +329,7 @@ def test_last_record_reads_the_last_complete_line(tmp_path):
 def test_train_progress_shows_live_reward_entropy_and_eta(tmp_path):
     import json
 
-    out = tmp_path / "run"
+    out = tmp_path / "run[1]"  # brackets: printed as typed, not eaten as markup
     res = invoke("train", "--preset", "tiny-cpu", "--algo", "grpo", "--out", str(out), "--set", "steps=3",
                  "--set", "warmstart_steps=5", "--set", "eval_problems=4", "--set", "prompts_per_step=4",
                  "--set", "samples_per_prompt=4", "--set", "train_problems=50")
@@ -338,6 +338,8 @@ def test_train_progress_shows_live_reward_entropy_and_eta(tmp_path):
     bar = next(line for line in res.stdout.splitlines() if line.startswith("grpo on tiny-cpu"))
     assert "3/3" in bar and f"reward {last['reward_mean']:.2f} H {last['entropy']:.2f}" in bar, bar
     assert " eta " in bar and "Setting accelerator" not in res.output
+    flat = " ".join(res.stdout.split())  # rich wraps long paths
+    assert f"run directory: {out}" in flat and f"(cached in {out / 'warmstart'})" in flat
 
 
 # --- scripts/test.sh: pip's expected resolver report ------------------------------------------------------
@@ -370,3 +372,13 @@ def test_pip_filter_replaces_only_the_expected_resolver_report():
     assert lines[-3:] == [header, "foo 1.0 requires bar<2, but you have bar 3.0 which is incompatible.",
                           "ERROR: Could not find a version that satisfies the requirement nope"]
     assert len(lines) == 5
+
+
+def test_presets_table_prints_descriptions_as_typed(monkeypatch):
+    from stare.cli import main as cli_main
+    from stare.cli.presets import Preset
+
+    monkeypatch.setattr(cli_main, "preset_names", lambda: ["x"])
+    monkeypatch.setattr(cli_main, "load_preset", lambda name: Preset("x", "needs pip install 'stare[openrlhf]' [red]", "local", {}))
+    res = invoke("presets")
+    assert res.exit_code == 0 and "pip install 'stare[openrlhf]' [red]" in res.stdout, res.stdout
