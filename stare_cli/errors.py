@@ -166,7 +166,7 @@ def _hub_lookup(model: str, timeout: float) -> tuple[bool | None, str]:
         return None, "offline: HF_HUB_OFFLINE=1" if _env_true("HF_HUB_OFFLINE") else "offline: TRANSFORMERS_OFFLINE=1"
     try:
         from huggingface_hub import model_info
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+        from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
     except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
         return None, "huggingface_hub is not installed"
     try:
@@ -176,6 +176,8 @@ def _hub_lookup(model: str, timeout: float) -> tuple[bool | None, str]:
         return True, ""
     except RepositoryNotFoundError:
         return False, "no such model on the hub (or it is private and no HF_TOKEN is set)"
+    except HfHubHTTPError:  # the hub answered with another error (rate limit, outage): let loading decide
+        return True, ""
     except Exception as exc:  # no network, DNS, proxy, timeout: the hub cannot be asked
         return None, f"the hub cannot be reached ({type(exc).__name__})"
 
@@ -198,9 +200,7 @@ def check_model_source(model: str, flag: str = "--model", timeout: float = 5.0) 
     if Path(model).exists():
         return
     on_hub, why = _hub_lookup(model, timeout)
-    if on_hub:
-        return
-    if on_hub is None and _in_hub_cache(model):
+    if on_hub or _in_hub_cache(model):
         return
     where = f"no folder {Path(model).absolute()}"
     if on_hub is None:

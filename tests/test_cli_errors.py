@@ -382,3 +382,27 @@ def test_presets_table_prints_descriptions_as_typed(monkeypatch):
     monkeypatch.setattr(cli_main, "load_preset", lambda name: Preset("x", "needs pip install 'stare[openrlhf]' [red]", "local", {}))
     res = invoke("presets")
     assert res.exit_code == 0 and "pip install 'stare[openrlhf]' [red]" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("raised, expected", [
+    ("RepositoryNotFoundError", False),   # the hub says: no such model
+    ("GatedRepoError", True),             # exists, gated: loading says what access it needs
+    ("HfHubHTTPError", True),             # another hub error (rate limit, outage): loading decides
+    ("ConnectError", None),               # no network: the cache decides
+])
+def test_hub_lookup_classifies_the_hub_answer(monkeypatch, raised, expected):
+    import httpx
+    import huggingface_hub
+    from huggingface_hub import errors as hf_errors
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/api/models/o/n"))
+
+    def model_info(*a, **k):
+        if raised == "ConnectError":
+            raise httpx.ConnectError("Name or service not known")
+        raise getattr(hf_errors, raised)("hub said no", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    assert errors._hub_lookup("o/n", 1.0)[0] is expected
