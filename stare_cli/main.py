@@ -367,6 +367,7 @@ def eval_(
             fail("--resume works with --harness stare only; lm-eval runs a task from the start")
     backend = backend or default_backend()
     out_dir = out or Path("evals") / bench
+    errors.check_out_dir(out_dir)
     if model is None:
         final = out_dir / "final"
         if out is not None and (out_dir / "config.yaml").exists() and (final / "config.json").exists():

@@ -139,11 +139,13 @@ def _out_cases(tmp_path, f):
         "train-dry-run": ["train", "--preset", "tiny-cpu", "--dry-run"],
         "train-gpu-dry-run": ["train", "--preset", "qwen-7b-short-cot", "--dry-run"],
         "eval": ["eval", "--bench", "aime24", "--model", str(model), "--backend", "hf"],
+        "eval-of-a-run": ["eval", "--bench", "aime24"],  # no --model: --out is read as a training run
         "compare": ["compare", str(run_dir)],
     }
 
 
-@pytest.mark.parametrize("case", ["run", "train", "train-dry-run", "train-gpu-dry-run", "eval", "compare"])
+@pytest.mark.parametrize("case", ["run", "train", "train-dry-run", "train-gpu-dry-run", "eval", "eval-of-a-run",
+                                  "compare"])
 @pytest.mark.parametrize("below", [False, True])
 def test_out_naming_a_file_is_one_line_and_writes_nothing(tmp_path, a_file, case, below):
     args = _out_cases(tmp_path, a_file)[case]
