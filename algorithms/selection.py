@@ -86,7 +86,7 @@ def kth_largest(values: torch.Tensor, k: int, group=None) -> float:
         total = int(counts[-1])
         if not 1 <= remaining <= total:
             raise ValueError(f"k must be in [1, {total}] over the group, got {k}")
-        j = int(torch.searchsorted(counts, torch.tensor(remaining, dtype=counts.dtype)))
+        j = int(torch.searchsorted(counts, torch.tensor(remaining, dtype=counts.dtype, device=counts.device)))
         digit = 255 - j
         above = int(counts[j - 1]) if j > 0 else 0
         remaining -= above
