@@ -153,8 +153,8 @@ class ScoringError(RuntimeError):
 def _serve() -> None:
     """A worker's main loop: one JSON request per stdin line (``[pred_latex, gold_latex]``), one ``true``/``false``
     line back. Ends when stdin closes (the caller went away)."""
+    out, sys.stdout = sys.stdout, sys.stderr  # stdout carries only the protocol: stray prints go to the log
     _init_worker()
-    out = sys.stdout
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
@@ -271,7 +271,10 @@ def _checkout(n: int) -> list[_Worker]:
 
 
 def _start() -> _Worker:
-    w = _Worker()
+    try:
+        w = _Worker()
+    except OSError as exc:  # no interpreter to run (an embedded Python), or out of processes
+        raise ScoringError(f"cannot start a scoring worker with {sys.executable!r}: {exc}") from None
     with _lock:
         _all.add(w)
     return w
@@ -361,15 +364,20 @@ def check_many(pairs: list[tuple[str, str]], *, timeout: float = 5.0, workers: i
 
     pending = deque(todo)
     tries = dict.fromkeys(todo, 0)
-    crew = _checkout(min(len(todo), max(1, workers or _default_workers())))
+    size = min(len(todo), max(1, workers or _default_workers()))
+    crew = _checkout(size)
     try:
         while pending or any(w.answer is not None for w in crew):
-            for k, w in enumerate(crew):
-                if w not in _all or not w.alive():  # killed by shutdown() (or crashed): a fresh one instead
+            for w in list(crew):
+                if w not in _all or not w.alive():  # killed by shutdown() (or crashed)
+                    crew.remove(w)
                     if w.answer is not None:
-                        _rerun(w.answer, tries, pending, w)
+                        i, w.answer = w.answer, None
+                        _rerun(i, tries, pending, w)
                     w.kill()
-                    crew[k] = w = _checkout(1)[0]
+            if pending and len(crew) < size:  # fresh workers for what is left
+                crew += _checkout(min(size - len(crew), len(pending)))
+            for w in crew:
                 if w.answer is None and pending:
                     i = pending.popleft()
                     tries[i] += 1
@@ -392,7 +400,8 @@ def check_many(pairs: list[tuple[str, str]], *, timeout: float = 5.0, workers: i
                     w.kill()
             now = time.monotonic()
             for w in crew:
-                if w.answer is not None and w.started_at is not None and now - w.started_at > timeout:
+                if w.answer is not None and w.started_at is not None and now - w.started_at > timeout and \
+                        not select.select([w], [], [], 0)[0]:  # its verdict is not waiting to be read
                     logger.warning("answer %r timed out after %.1fs; scoring it False", todo[w.answer][0][:80], timeout)
                     verdicts[w.answer] = "timeout"
                     w.answer = None

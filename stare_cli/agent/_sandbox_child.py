@@ -269,7 +269,8 @@ def _install_audit_hook(scratch, allow_subprocess, protected_pids, read_ok=None)
     read_files = frozenset({"/dev/null", "/dev/urandom", "/dev/random", "/dev/zero", "/dev/stdin", "/dev/stdout",
                             "/dev/stderr"})
     # this process's own /proc files (status, limits, maps, ...), not its magic links to other places
-    own_proc = re.compile(rf"^/proc/(self|thread-self|{own_pid})(/task/\d+)?(/(?!(root|cwd|fd|fdinfo|map_files|exe)$)[^/]+)?$")
+    own_proc = re.compile(rf"^/proc/(self|thread-self|{own_pid})(/task/\d+)?"
+                          r"(/(?!(root|cwd|fd|fdinfo|map_files|exe)$)[^/]+)?$")
     protected = frozenset(protected_pids)
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     write_ok = frozenset({"/dev/null", "/dev/stdout", "/dev/stderr", "/dev/zero"})
