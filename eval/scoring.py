@@ -251,10 +251,17 @@ def _default_workers() -> int:
 
 
 def _checkout(n: int) -> list[_Worker]:
-    """``n`` workers for one batch: idle ones first, the rest started now (all of them started together)."""
+    """Up to ``n`` workers for one batch: idle ones first, the rest started now (all of them together). While other
+    threads hold workers, a batch gets no more than what keeps the total near ``max(n, CPUs)``, and at least one."""
     with _lock:
-        mine = [w for w in _idle[:n] if w.alive()]
+        busy = len(_all) - len(_idle)
+        n = max(1, min(n, max(n, _default_workers()) - busy))
+        taken = _idle[:n]
         del _idle[:n]
+    mine = [w for w in taken if w.alive()]
+    for w in taken:
+        if w not in mine:
+            w.kill()
     fresh: list[_Worker] = []
     try:
         for _ in range(_MAX_TRIES):  # shutdown() from another thread may kill workers while they start
@@ -364,8 +371,8 @@ def check_many(pairs: list[tuple[str, str]], *, timeout: float = 5.0, workers: i
 
     pending = deque(todo)
     tries = dict.fromkeys(todo, 0)
-    size = min(len(todo), max(1, workers or _default_workers()))
-    crew = _checkout(size)
+    crew = _checkout(min(len(todo), max(1, workers or _default_workers())))
+    size = len(crew)
     try:
         while pending or any(w.answer is not None for w in crew):
             for w in list(crew):
