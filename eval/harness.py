@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .data import Problem
 from .metrics import bootstrap_ci, maj_at_k, majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
-from .scoring import extract_boxed, score_many
+from .scoring import extract_boxed, score_many, warn_if_all_empty
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -250,6 +250,7 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
             results[p.id] = recs
             if progress:
                 progress(proto.k)
+    warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, [])])
     return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out,
                      tools=getattr(backend, "tools_info", None))
 

@@ -308,7 +308,9 @@ def eval_(
                                                            "shipped lm-eval tasks, aime24 and aime25)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm)."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL/parquet with problem and "
-                                                                      "answer fields."),
+                                                                      "answer fields, or 'hub' for the Hugging Face "
+                                                                      "hub (default: $STARE_DATA_DIR, else the copy "
+                                                                      "shipped for aime24/aime25, else the hub)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: evals/BENCH)."),
@@ -371,7 +373,7 @@ def eval_(
         proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         local = local_data_file(bench, data_file)
         if harness == "stare" or local is not None:  # lm-eval reads the hub itself
-            problems = load_bench(bench, data_file=local, limit=limit)
+            problems = load_bench(bench, data_file=local if local is not None else "hub", limit=limit)
     except ValueError as exc:
         fail(str(exc))
     if (out_dir / "samples.jsonl").exists() and not resume:
