@@ -1,0 +1,134 @@
+"""Fused Triton kernel for ``entropy_sensitivity``: entropy H, the action's surprisal s_a and Phi per row.
+
+Imported lazily (only when ``kernel="triton"`` is chosen), so ``stare.algorithms`` needs no Triton. One program
+per logits row reads the row once, in ``BLOCK_V`` columns at a time, accumulates in float32 whatever the
+logits' dtype, and writes three float32 numbers: no [rows, V] temporary exists anywhere.
+
+The streaming form (``z`` = logits / temperature of one row, ``m`` = the running maximum of the columns read
+so far, ``u_j = z_j - m``):
+
+    S0 = sum_j e^{u_j}          S1 = sum_j u_j e^{u_j}
+    S2 = sum_j e^{2 u_j}        S3 = sum_j u_j e^{2 u_j}
+
+When a new block raises the maximum from ``m`` to ``m'`` (``d = m - m' <= 0``, ``alpha = e^d``), every ``u_j``
+of the columns already summed becomes ``u_j + d`` and every ``e^{u_j}`` becomes ``alpha e^{u_j}``, so
+
+    S0 <- alpha S0                  S1 <- alpha (S1 + d S0)
+    S2 <- alpha^2 S2                S3 <- alpha^2 (S3 + d S2)
+
+and then the new block's terms are added. At the end, with ``log p_j = u_j - log S0`` and ``p_j = e^{u_j} / S0``:
+
+    H            = -sum_j p_j log p_j         = log S0 - S1 / S0
+    s_a          = -log p_a                   = log S0 - u_a
+    sum_j p_j^2 (s_j - H)                     = (S2 S1 / S0 - S3) / S0^2
+                   (because s_j - H = S1 / S0 - u_j)
+    Phi          = p_a (s_a - H) - sum_j p_j^2 (s_j - H),   p_a = e^{-s_a}
+
+S0 and S2 are at least 1 (the maximum's own term is e^0), so nothing divides by a small number. The four sums
+are kept per lane (``BLOCK_V`` float32 accumulators sharing one scalar running maximum) and reduced across
+lanes once at the end. Columns equal to -inf (and the masked tail of the last block) add exactly 0 to every
+sum: their ``u e^u`` terms are set to 0 rather than computed as -inf * 0. A row that is all -inf, or an action
+id outside [0, V), gives NaN (no host synchronisation to check ids; NaN is visible downstream).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _entropy_stats_kernel(
+    x_ptr, act_ptr, h_ptr, s_ptr, phi_ptr,
+    inner, stride_outer, stride_inner, stride_v, V, inv_temp,
+    BLOCK_V: tl.constexpr,
+):
+    r = tl.program_id(0)
+    i = r // inner
+    j = r - i * inner
+    row = x_ptr + i.to(tl.int64) * stride_outer + j.to(tl.int64) * stride_inner
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full([BLOCK_V], NEG_INF, tl.float32), axis=0)
+    s0 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s3 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        z = tl.load(row + cols.to(tl.int64) * stride_v, mask=cols < V, other=NEG_INF).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        # rescale the sums to the new maximum; while m is still -inf the sums are all 0 and stay so
+        d = tl.where(m == NEG_INF, 0.0, m - m_new)
+        alpha = tl.exp(d)
+        s1 = alpha * (s1 + d * s0)
+        s0 = alpha * s0
+        alpha2 = alpha * alpha
+        s3 = alpha2 * (s3 + d * s2)
+        s2 = alpha2 * s2
+        m = m_new
+        # -inf columns (and the masked tail) add exactly 0: e = 0 and u e = 0, never -inf * 0 (NaN still spreads)
+        keep = z != NEG_INF
+        u = tl.where(keep, z - m_new, 0.0)
+        e = tl.where(keep, tl.exp(u), 0.0)
+        ue = u * e
+        s0 += e
+        s1 += ue
+        s2 += e * e
+        s3 += ue * e
+    S0 = tl.sum(s0, axis=0)
+    S1 = tl.sum(s1, axis=0)
+    S2 = tl.sum(s2, axis=0)
+    S3 = tl.sum(s3, axis=0)
+    log_s0 = tl.log(S0)
+    mean_u = S1 / S0  # sum_j p_j u_j
+    h = log_s0 - mean_u
+    a = tl.load(act_ptr + r).to(tl.int64)
+    valid = (a >= 0) & (a < V)
+    z_a = tl.load(row + a * stride_v, mask=valid, other=float("nan")).to(tl.float32) * inv_temp
+    s_a = log_s0 - (z_a - m)
+    p_a = tl.exp(-s_a)
+    inv_s0 = 1.0 / S0
+    second = (S2 * mean_u - S3) * inv_s0 * inv_s0
+    tl.store(h_ptr + r, h)
+    tl.store(s_ptr + r, s_a)
+    tl.store(phi_ptr + r, p_a * (s_a - h) - second)
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_V": block}, num_warps=warps, num_stages=stages)
+    for block in (2048, 4096, 8192) for warps in (4, 8, 16) for stages in (2, 3)
+]
+_tuned_kernel = triton.autotune(configs=_CONFIGS, key=["V"])(_entropy_stats_kernel)
+
+# Under TRITON_INTERPRET=1 (CPU tests) one fixed, small block: the interpreter runs each program in Python.
+INTERPRET_BLOCK_V = 256
+
+
+def interpreting() -> bool:
+    return bool(knobs.runtime.interpret)
+
+
+def entropy_stats_block(
+    block: torch.Tensor, actions: torch.Tensor, entropy: torch.Tensor, surprisal: torch.Tensor, phi: torch.Tensor,
+    *, temperature: float, block_v: int | None = None,
+) -> None:
+    """Fill ``entropy``, ``surprisal``, ``phi`` (float32, contiguous, ``[k * m]``) for logits ``block`` ``[k, m, V]``.
+
+    ``block`` may have any strides (the last one need not be 1); ``actions`` is ``[k * m]`` int64, contiguous,
+    in the same row order (row ``r`` is ``block[r // m, r % m]``). ``block_v`` forces the column block (a power
+    of two); by default the autotuned one on a GPU, ``INTERPRET_BLOCK_V`` under the interpreter.
+    """
+    k, m, vocab = block.shape
+    rows = k * m
+    if rows == 0:
+        return
+    args = (block, actions, entropy, surprisal, phi, m, block.stride(0), block.stride(1), block.stride(2), vocab,
+            1.0 / temperature)
+    if block_v is None and not interpreting():
+        _tuned_kernel[(rows,)](*args)
+    else:
+        bv = block_v or min(INTERPRET_BLOCK_V, triton.next_power_of_2(vocab))
+        _entropy_stats_kernel[(rows,)](*args, BLOCK_V=bv, num_warps=4)
