@@ -40,6 +40,20 @@ from triton import knobs
 NEG_INF = tl.constexpr(float("-inf"))  # a global read inside @triton.jit must be a constexpr
 
 
+# Reductions through tl.reduce with combine functions defined here, tl.full for zeros: tl.max, tl.sum, tl.zeros are
+# @triton.jit functions of triton.language, made compiled or interpreted once, when triton is first imported,
+# so under TRITON_INTERPRET=1 set after that import (a test process) they could not be called. These two are
+# made whenever this module is (re)imported, and compile to the same reductions on a GPU.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
 @triton.jit
 def _entropy_stats_kernel(
     x_ptr, act_ptr, h_ptr, s_ptr, phi_ptr,
@@ -51,20 +65,21 @@ def _entropy_stats_kernel(
     j = r - i * inner
     row = x_ptr + i.to(tl.int64) * stride_outer + j.to(tl.int64) * stride_inner
     offs = tl.arange(0, BLOCK_V)
-    m = tl.max(tl.full([BLOCK_V], NEG_INF, tl.float32), axis=0)
-    s0 = tl.zeros([BLOCK_V], dtype=tl.float32)
-    s1 = tl.zeros([BLOCK_V], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK_V], dtype=tl.float32)
-    s3 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    m = tl.reduce(tl.full([BLOCK_V], NEG_INF, tl.float32), 0, _max)
+    s0 = tl.full([BLOCK_V], 0.0, tl.float32)
+    s1 = tl.full([BLOCK_V], 0.0, tl.float32)
+    s2 = tl.full([BLOCK_V], 0.0, tl.float32)
+    s3 = tl.full([BLOCK_V], 0.0, tl.float32)
     # software prefetch: the next block's load is issued before this block's reduction and arithmetic
     nxt = tl.load(row + offs.to(tl.int64) * stride_v, mask=offs < V, other=NEG_INF)
     for start in range(0, V, BLOCK_V):
         z = nxt.to(tl.float32) * inv_temp
         cols = start + BLOCK_V + offs
         nxt = tl.load(row + cols.to(tl.int64) * stride_v, mask=cols < V, other=NEG_INF)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_new = tl.maximum(m, tl.reduce(z, 0, _max))
         # rescale the sums to the new maximum; while m is still -inf the sums are all 0 and stay so
-        d = tl.where(m == NEG_INF, 0.0, m - m_new)
+        empty = m == NEG_INF
+        d = tl.where(empty, 0.0, m - tl.where(empty, 0.0, m_new))  # (no -inf - -inf to discard)
         alpha = tl.exp(d)
         s1 = alpha * (s1 + d * s0)
         s0 = alpha * s0
@@ -74,17 +89,17 @@ def _entropy_stats_kernel(
         m = m_new
         # -inf columns (and the masked tail) add exactly 0: e = 0 and u e = 0, never -inf * 0 (NaN still spreads)
         keep = z != NEG_INF
-        u = tl.where(keep, z - m_new, 0.0)
+        u = tl.where(keep, z - tl.where(m_new == NEG_INF, 0.0, m_new), 0.0)  # no -inf - -inf while all are -inf
         e = tl.where(keep, tl.exp(u), 0.0)
         ue = u * e
         s0 += e
         s1 += ue
         s2 += e * e
         s3 += ue * e
-    S0 = tl.sum(s0, axis=0)
-    S1 = tl.sum(s1, axis=0)
-    S2 = tl.sum(s2, axis=0)
-    S3 = tl.sum(s3, axis=0)
+    S0 = tl.reduce(s0, 0, _add)
+    S1 = tl.reduce(s1, 0, _add)
+    S2 = tl.reduce(s2, 0, _add)
+    S3 = tl.reduce(s3, 0, _add)
     log_s0 = tl.log(S0)
     mean_u = S1 / S0  # sum_j p_j u_j
     h = log_s0 - mean_u
