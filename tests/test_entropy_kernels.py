@@ -19,7 +19,7 @@ from stare.algorithms.entropy import KERNELS, _resolve_kernel
 
 def reference(logits: torch.Tensor, actions: torch.Tensor, temperature: float = 1.0):
     """float64 on the full [..., V] softmax, from the definitions; -inf logits have p = 0 and add nothing."""
-    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logp = torch.log_softmax(logits.detach().double() / temperature, dim=-1)
     p = logp.exp()
     s = -logp
     h = torch.where(p > 0, p * s, 0.0).sum(-1)
@@ -31,7 +31,7 @@ def reference(logits: torch.Tensor, actions: torch.Tensor, temperature: float = 
 
 def assert_matches(stats, logits, actions, temperature=1.0, tol=1e-5):
     """Within ``tol`` plus what rounding the scaled logits z / T to float32 alone can cause (a few ulps of |z|)."""
-    finite = logits[torch.isfinite(logits)].abs()
+    finite = logits.detach()[torch.isfinite(logits.detach())].abs()
     atol = tol + 4 * torch.finfo(torch.float32).eps * (float(finite.max()) / temperature if finite.numel() else 0.0)
     for name, got, want in zip(("entropy", "surprisal", "phi"), stats, reference(logits, actions, temperature)):
         assert got.dtype == torch.float32 and got.shape == actions.shape, name
@@ -141,6 +141,7 @@ def test_strided_views_and_shapes(kernel):
         "4-d permuted": full[:, :6].reshape(2, 2, 3, V).permute(1, 2, 0, 3),
         "bf16 slice": full.to(torch.bfloat16)[:, 1:-2],
         "one row": full[1, 4],
+        "requires grad": full.clone().requires_grad_()[:, 2:4],
         "empty": full[:, :0],
     }
     for name, logits in views.items():
@@ -204,9 +205,10 @@ def test_torch_path_numbers_do_not_depend_on_the_layout():
     """A strided view gives bit-for-bit what its contiguous copy gives (the old code copied, then chunked)."""
     g = torch.Generator().manual_seed(17)
     full = torch.randn(3, 20, 3001, generator=g) * 3
-    for logits in (full[:, :-1][:, -12:], full.transpose(0, 1), full[:, ::3]):
+    four_d = full[:, :18].reshape(3, 3, 6, 3001).permute(2, 0, 1, 3)[1:]  # chunks cross two leading dims
+    for logits in (full[:, :-1][:, -12:], full.transpose(0, 1), full[:, ::3], four_d):
         actions = torch.randint(0, 3001, logits.shape[:-1], generator=g)
-        for kw in ({}, {"chunk_size": 7}, {"temperature": 0.7}):
+        for kw in ({}, {"chunk_size": 7}, {"chunk_size": 11}, {"temperature": 0.7}):
             got = entropy_sensitivity(logits, actions, kernel="torch", **kw)
             want = entropy_sensitivity(logits.contiguous(), actions, kernel="torch", **kw)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), kw
