@@ -32,12 +32,21 @@ id outside [0, V), gives NaN (no host synchronisation to check ids; NaN is visib
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from triton import knobs
 
-NEG_INF = tl.constexpr(float("-inf"))  # a global read inside @triton.jit must be a constexpr
+# The running maximum (base-2 units) starts at FLOOR; logits below LOW (-inf, masked vocabulary entries, and the
+# masked tail of the last block) are raised to LOW. Both are far below any real logit, so 2^(w - m) underflows
+# to exactly 0, yet finite, so (w - m) 2^(w - m) is 0 and not -inf * 0 = NaN, and the rescale terms d * S stay
+# finite. (A global read inside @triton.jit must be a constexpr.)
+FLOOR = tl.constexpr(-1e30)
+LOW = tl.constexpr(-2e30)
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2_E = 1.0 / math.log(2.0)
 
 
 # Reductions through tl.reduce with combine functions defined here, tl.full for zeros: tl.max, tl.sum, tl.zeros are
@@ -55,64 +64,78 @@ def _max(a, b):
 
 
 @triton.jit
+def _exp2(x, FAST: tl.constexpr):
+    """2^x: on a GPU one MUFU.EX2 with subnormal results flushed to 0 (tl.exp2 adds a range check and two
+    multiplies around it to keep them); in the interpreter, which runs no PTX, tl.exp2."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
 def _entropy_stats_kernel(
     x_ptr, act_ptr, h_ptr, s_ptr, phi_ptr,
-    inner, stride_outer, stride_inner, stride_v, V, inv_temp,
-    BLOCK_V: tl.constexpr,
+    inner, stride_outer, stride_inner, stride_v, V, scale,
+    BLOCK_V: tl.constexpr, FAST_EXP: tl.constexpr,
 ):
+    # Base 2 inside the loop: w = z log2(e) (scale = log2(e) / temperature), e^(z - m) = 2^(w - m2), so the
+    # exponential is one ex2 with no extra multiply; S1 and S3 are summed in base-2 units and times ln 2 at the end.
     r = tl.program_id(0)
     i = r // inner
     j = r - i * inner
     row = x_ptr + i.to(tl.int64) * stride_outer + j.to(tl.int64) * stride_inner
     offs = tl.arange(0, BLOCK_V)
-    m = tl.reduce(tl.full([BLOCK_V], NEG_INF, tl.float32), 0, _max)
+    m = tl.reduce(tl.full([BLOCK_V], FLOOR, tl.float32), 0, _max)
     s0 = tl.full([BLOCK_V], 0.0, tl.float32)
     s1 = tl.full([BLOCK_V], 0.0, tl.float32)
     s2 = tl.full([BLOCK_V], 0.0, tl.float32)
     s3 = tl.full([BLOCK_V], 0.0, tl.float32)
     # software prefetch: the next block's load is issued before this block's reduction and arithmetic
-    nxt = tl.load(row + offs.to(tl.int64) * stride_v, mask=offs < V, other=NEG_INF)
+    nxt = tl.load(row + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf"))
     for start in range(0, V, BLOCK_V):
-        z = nxt.to(tl.float32) * inv_temp
+        # -inf (and the masked tail) become LOW < FLOOR <= m: 2^(w - m) = 0 and (w - m) 2^(w - m) = 0 exactly;
+        # NaN stays NaN (max.NaN)
+        w = tl.maximum(nxt.to(tl.float32) * scale, LOW, propagate_nan=tl.PropagateNan.ALL)
         cols = start + BLOCK_V + offs
-        nxt = tl.load(row + cols.to(tl.int64) * stride_v, mask=cols < V, other=NEG_INF)
-        m_new = tl.maximum(m, tl.reduce(z, 0, _max))
-        # rescale the sums to the new maximum; while m is still -inf the sums are all 0 and stay so
-        empty = m == NEG_INF
-        d = tl.where(empty, 0.0, m - tl.where(empty, 0.0, m_new))  # (no -inf - -inf to discard)
-        alpha = tl.exp(d)
-        s1 = alpha * (s1 + d * s0)
-        s0 = alpha * s0
-        alpha2 = alpha * alpha
-        s3 = alpha2 * (s3 + d * s2)
-        s2 = alpha2 * s2
-        m = m_new
-        # -inf columns (and the masked tail) add exactly 0: e = 0 and u e = 0, never -inf * 0 (NaN still spreads)
-        keep = z != NEG_INF
-        u = tl.where(keep, z - tl.where(m_new == NEG_INF, 0.0, m_new), 0.0)  # no -inf - -inf while all are -inf
-        e = tl.where(keep, tl.exp(u), 0.0)
+        nxt = tl.load(row + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(w, 0, _max))
+        if m_new > m:  # the same for the whole program; after the first blocks the maximum rarely moves
+            d = m - m_new  # finite, and about -1e30 (alpha = 0) while m is still FLOOR
+            alpha = _exp2(d, FAST_EXP)
+            s1 = alpha * (s1 + d * s0)
+            s0 = alpha * s0
+            alpha2 = alpha * alpha
+            s3 = alpha2 * (s3 + d * s2)
+            s2 = alpha2 * s2
+            m = m_new
+        u = w - m
+        e = _exp2(u, FAST_EXP)
         ue = u * e
         s0 += e
         s1 += ue
         s2 += e * e
         s3 += ue * e
     S0 = tl.reduce(s0, 0, _add)
-    S1 = tl.reduce(s1, 0, _add)
+    S1 = tl.reduce(s1, 0, _add) * LN2  # natural units from here on
     S2 = tl.reduce(s2, 0, _add)
-    S3 = tl.reduce(s3, 0, _add)
+    S3 = tl.reduce(s3, 0, _add) * LN2
     log_s0 = tl.log(S0)
     mean_u = S1 / S0  # sum_j p_j u_j
     h = log_s0 - mean_u
     a = tl.load(act_ptr + r).to(tl.int64)
     valid = (a >= 0) & (a < V)
-    z_a = tl.load(row + a * stride_v, mask=valid, other=float("nan")).to(tl.float32) * inv_temp
-    s_a = log_s0 - (z_a - m)
+    w_a = tl.load(row + a * stride_v, mask=valid, other=float("nan")).to(tl.float32) * scale
+    s_a = log_s0 - (w_a - m) * LN2  # +inf for an action whose logit is -inf
     p_a = tl.exp(-s_a)
     inv_s0 = 1.0 / S0
     second = (S2 * mean_u - S3) * inv_s0 * inv_s0
-    tl.store(h_ptr + r, h)
-    tl.store(s_ptr + r, s_a)
-    tl.store(phi_ptr + r, p_a * (s_a - h) - second)
+    phi = tl.where(p_a == 0.0, 0.0, p_a * (s_a - h)) - second  # p_a (s_a - H) -> 0 as p_a -> 0 (not 0 * inf)
+    nothing = m == FLOOR  # no logit above LOW (all -inf): no distribution, NaN like the torch path's
+    tl.store(h_ptr + r, tl.where(nothing, float("nan"), h))
+    tl.store(s_ptr + r, tl.where(nothing, float("nan"), s_a))
+    tl.store(phi_ptr + r, tl.where(nothing, float("nan"), phi))
 
 
 # (BLOCK_V, num_warps): 8 or 16 columns per thread. Compiled here for sm_90 (triton.compile + the bundled
@@ -146,9 +169,10 @@ def entropy_stats_block(
     if rows == 0:
         return
     args = (block, actions, entropy, surprisal, phi, m, block.stride(0), block.stride(1), block.stride(2), vocab,
-            1.0 / temperature)
-    if block_v is None and not interpreting():
-        _tuned_kernel[(rows,)](*args, enable_fp_fusion=True)
+            LOG2_E / temperature)
+    fast = not interpreting()
+    if block_v is None and fast:
+        _tuned_kernel[(rows,)](*args, FAST_EXP=True, enable_fp_fusion=True)
     else:
         bv = block_v or min(INTERPRET_BLOCK_V, triton.next_power_of_2(vocab))
-        _entropy_stats_kernel[(rows,)](*args, BLOCK_V=bv, num_warps=4, enable_fp_fusion=True)
+        _entropy_stats_kernel[(rows,)](*args, BLOCK_V=bv, FAST_EXP=fast, num_warps=4, enable_fp_fusion=True)
