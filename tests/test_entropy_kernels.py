@@ -172,6 +172,9 @@ def test_triton_neg_inf_logits_and_bad_actions(interpreter):
     assert bad.entropy.item() == pytest.approx(reference(logits[3:], torch.tensor([0]))[0].item(), abs=1e-5)
     nothing = entropy_sensitivity(torch.full((1, 300), float("-inf")), torch.tensor([1]), kernel="triton")
     assert all(torch.isnan(t).all() for t in nothing)  # no distribution at all, as on the torch path
+    with_nan = logits[3:].clone()
+    with_nan[0, 123] = float("nan")
+    assert all(torch.isnan(t).all() for t in entropy_sensitivity(with_nan, torch.tensor([1]), kernel="triton"))
 
 
 def test_strided_logits_are_never_copied_whole():
