@@ -42,6 +42,7 @@ synchronisation; the NaN is visible downstream). NaN logits give NaN.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -181,8 +182,9 @@ def entropy_stats_block(
     args = (block, actions, entropy, surprisal, phi, m, block.stride(0), block.stride(1), block.stride(2), vocab,
             LOG2_E / temperature)
     fast = not interpreting()
-    if block_v is None and fast:
-        _tuned_kernel[(rows,)](*args, FAST_EXP=True, enable_fp_fusion=True)
-    else:
-        bv = block_v or min(INTERPRET_BLOCK_V, triton.next_power_of_2(vocab))
-        _entropy_stats_kernel[(rows,)](*args, BLOCK_V=bv, FAST_EXP=fast, num_warps=4, enable_fp_fusion=True)
+    with torch.cuda.device(block.device) if block.device.type == "cuda" else contextlib.nullcontext():
+        if block_v is None and fast:
+            _tuned_kernel[(rows,)](*args, FAST_EXP=True, enable_fp_fusion=True)
+        else:
+            bv = block_v or min(INTERPRET_BLOCK_V, triton.next_power_of_2(vocab))
+            _entropy_stats_kernel[(rows,)](*args, BLOCK_V=bv, FAST_EXP=fast, num_warps=4, enable_fp_fusion=True)

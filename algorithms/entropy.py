@@ -19,6 +19,7 @@ whole.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator, NamedTuple
 
@@ -124,6 +125,7 @@ def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return x[lo:hi]
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -142,8 +144,8 @@ def _resolve_kernel(kernel: str, device: torch.device) -> str:
                              "use kernel='torch' or 'auto'")
         from . import _entropy_triton
         if device.type != "cuda" and not _entropy_triton.interpreting():
-            raise ValueError(f"kernel='triton' needs CUDA tensors (got {device.type}) or TRITON_INTERPRET=1 "
-                             "(set before triton is imported) to run the CPU interpreter; use kernel='torch' or 'auto'")
+            raise ValueError(f"kernel='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 in the "
+                             "environment from the start to run Triton's CPU interpreter; use kernel='torch' or 'auto'")
     return kernel
 
 
@@ -171,6 +173,8 @@ def entropy_sensitivity(
         )
     if actions.is_floating_point():
         raise ValueError(f"actions must be integer token ids, got dtype {actions.dtype}")
+    if actions.device != logits.device:
+        raise ValueError(f"actions must be on the logits' device: logits {logits.device}, actions {actions.device}")
     check_range("temperature", temperature, 0, None, low_open=True)
     kernel = _resolve_kernel(kernel, logits.device)
     vocab = logits.shape[-1]

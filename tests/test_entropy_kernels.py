@@ -230,6 +230,8 @@ def test_kernel_choice(monkeypatch):
     actions = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"unknown kernel 'cuda'; valid choices: auto, torch, triton"):
         entropy_sensitivity(logits, actions, kernel="cuda")
+    with pytest.raises(ValueError, match=r"actions must be on the logits' device: logits cpu, actions meta"):
+        entropy_sensitivity(logits, actions.to("meta"))  # a kernel would read a pointer of the wrong device
     assert KERNELS == ("auto", "torch", "triton")
     assert _resolve_kernel("auto", torch.device("cpu")) == "torch"
     auto = entropy_sensitivity(logits, actions)
