@@ -1,78 +1,24 @@
-"""`stare eval --backend vllm` against a stand-in `vllm` module (vLLM needs a GPU): one request per problem with
-n = k, the tensor-parallel size and seeds passed through, the chat template applied as on the HF backend, and the
-same samples.jsonl and summary as the HF backend writes for the same responses."""
-import importlib.machinery
+"""`stare eval --backend vllm` against the strict vLLM 0.29.0 stand-in (tests/vllm_standin.py; vLLM needs a GPU):
+one request per problem with n = k, the tensor-parallel size and seeds passed through, the chat template applied
+as on the HF backend, the same samples.jsonl and summary as the HF backend writes for the same tokens; no two
+samples share a seed; over-long prompts and truncation are reported, not fatal; greedy k > 1 and out-of-range
+temperatures are refused before any model loads."""
 import importlib.util
 import json
 import subprocess
 import sys
-import types
-from dataclasses import dataclass, field
 
 import pytest
 from typer.testing import CliRunner
 
 from tiny_models import INSTRUCTION, PROBLEMS, build_tiny_model, write_problems
+from vllm_standin import SamplingParams, VLLMValidationError, make_vllm, scripted
 
 from stare.cli.main import app
 from stare.eval import harness
 
 K = 3
 MAX_TOKENS = 12
-
-
-@dataclass
-class Completion:  # vllm.outputs.CompletionOutput, the fields the backend reads
-    index: int
-    text: str
-    token_ids: list
-    finish_reason: str
-    stop_reason: object = None
-
-
-@dataclass
-class RequestOutput:  # vllm.outputs.RequestOutput
-    prompt_token_ids: list
-    outputs: list = field(default_factory=list)
-
-
-def fake_vllm(answers):
-    """A `vllm` module whose LLM records its calls and answers each prompt (as decoded text) from ``answers``:
-    prompt text -> [(response text, number of generated tokens before EOS)]."""
-    calls = {"llm": [], "generate": []}
-
-    class SamplingParams:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    class LLM:
-        def __init__(self, model, **kwargs):
-            from transformers import AutoTokenizer
-
-            calls["llm"].append({"model": model, **kwargs})
-            self.tokenizer = AutoTokenizer.from_pretrained(model)
-
-        def get_tokenizer(self):
-            return self.tokenizer
-
-        def generate(self, prompts, sampling_params, use_tqdm=True):
-            calls["generate"].append((prompts, sampling_params.kwargs))
-            out = []
-            for prompt in prompts:
-                ids = prompt["prompt_token_ids"]
-                text = self.tokenizer.decode(ids)
-                canned = answers[text][: sampling_params.kwargs["n"]]
-                eos = self.tokenizer.eos_token_id
-                outputs = [Completion(j, t, list(range(10, 10 + n)) + [eos], "stop")  # vLLM keeps the EOS id
-                           if n < MAX_TOKENS else Completion(j, t, list(range(10, 10 + n)), "length")
-                           for j, (t, n) in enumerate(canned)]
-                out.append(RequestOutput(ids, outputs[::-1]))  # out of order: the backend sorts by index
-            return out
-
-    module = types.ModuleType("vllm")
-    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
-    module.LLM, module.SamplingParams = LLM, SamplingParams
-    return module, calls
 
 
 @pytest.fixture(scope="module")
@@ -101,60 +47,92 @@ def run_cli(*args):
 
 
 def test_vllm_backend_matches_the_hf_path(model_dirs, tmp_path, monkeypatch):
+    from transformers.generation.utils import GenerationMixin
+
     plain, _ = model_dirs
     data = write_problems(tmp_path / "mini.jsonl")
+    # "\\boxed{2}" and "\\boxed{5}" are 5 tokens, "\\boxed{033}" 6: at 6 tokens the last is cut before its EOS
     common = ["eval", "--bench", "aime25", "--model", str(plain), "--data-file", str(data), "--k", str(K),
-              "--max-tokens", str(MAX_TOKENS), "--seed", "7"]
+              "--max-tokens", "6", "--seed", "7"]
+    generated = {}  # prompt ids -> the k rows of new tokens the HF model generated
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        prompt = kwargs["input_ids"][0].tolist()
+        generated[tuple(prompt)] = out[:, len(prompt):].tolist()
+        return out
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
     run_cli(*common, "--backend", "hf", "--out", str(tmp_path / "hf"))
-    hf_rows = [json.loads(x) for x in (tmp_path / "hf" / "samples.jsonl").read_text().splitlines()]
-    # what the stand-in answers: the HF run's responses, keyed by the prompt the HF backend builds
-    answers = {f"{p['problem']}\n{INSTRUCTION}": [(r["response"], r["num_tokens"]) for r in hf_rows
-                                                    if r["problem_id"] == p["id"]] for p in PROBLEMS}
-    module, calls = fake_vllm(answers)
+    monkeypatch.setattr(GenerationMixin, "generate", original)
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(plain).eos_token_id
+
+    def replay(child):  # the stand-in's model emits the tokens the HF model sampled, up to and with its EOS
+        for t in generated[tuple(child.prompt_ids)][child.index]:
+            yield t
+            if t == eos:
+                return
+
+    module, calls = make_vllm(replay)
     monkeypatch.setitem(sys.modules, "vllm", module)
     run_cli(*common, "--backend", "vllm", "--tp", "2", "--out", str(tmp_path / "vllm"))
 
     assert calls["llm"] == [{"model": str(plain), "tensor_parallel_size": 2, "seed": 7}]
     assert len(calls["generate"]) == len(PROBLEMS)  # one request per problem ...
-    seeds = []
-    for (prompts, params), p in zip(calls["generate"], PROBLEMS):
+    for prompts, (params,) in calls["generate"]:
         assert len(prompts) == 1  # ... holding one prompt with n = k samples
-        assert {k: params[k] for k in ("n", "temperature", "top_p", "max_tokens")} == \
-            {"n": K, "temperature": 1.0, "top_p": 0.7, "max_tokens": MAX_TOKENS}
-        seeds.append(params["seed"])
-    assert seeds == [7 * 1_000_003 + i for i in range(len(PROBLEMS))]  # the HF backend's per-problem seeds
+        assert (params.n, params.temperature, params.top_p, params.max_tokens) == (K, 1.0, 0.7, 6)
+    # sample j of problem i draws from (7 mod 2**31) * 2**32 + i * K + j: every sample its own seed
+    assert [c["seed"] for c in calls["samples"]] == [(7 << 32) + n for n in range(len(PROBLEMS) * K)]
 
+    hf_rows = [json.loads(x) for x in (tmp_path / "hf" / "samples.jsonl").read_text().splitlines()]
+    assert any(r["truncated"] for r in hf_rows) and not all(r["truncated"] for r in hf_rows)  # both kinds
     assert (tmp_path / "vllm" / "samples.jsonl").read_text() == (tmp_path / "hf" / "samples.jsonl").read_text()
     hf_sum = json.loads((tmp_path / "hf" / "summary.json").read_text())
     vllm_sum = json.loads((tmp_path / "vllm" / "summary.json").read_text())
     assert hf_sum.pop("backend") == "hf" and vllm_sum.pop("backend") == "vllm"
     hf_sum.pop("versions"), vllm_sum.pop("versions")
     assert vllm_sum == hf_sum
+    # a sample is truncated when it has max_tokens tokens and no EOS among them
+    assert hf_sum["truncated"] == pytest.approx(sum(r["num_tokens"] == 6 for r in hf_rows) / len(hf_rows))
+    assert hf_sum["not_attempted"] == 0 and hf_sum["not_attempted_ids"] == []
 
 
 def test_vllm_prompt_uses_the_chat_template_without_a_second_bos(model_dirs, monkeypatch, tmp_path):
     _, chat = model_dirs
     problem = PROBLEMS[0]
     expected = f"<|user|>{problem['problem']}\n{INSTRUCTION}<|assistant|>"
-    module, calls = fake_vllm({expected: [("\\boxed{2}", 4), ("\\boxed{5}", 4), ("\\boxed{2}", MAX_TOKENS)]})
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat)
+    texts = ["\\boxed{2}", "\\boxed{5}", "\\boxed{2} and so on"]
+    module, calls = make_vllm(scripted(tok, lambda prompt, j: texts[j], eos=True))
     monkeypatch.setitem(sys.modules, "vllm", module)
     backend = harness.make_backend("vllm", str(chat), tp=1, seed=0)
     prompt = backend.prompt_text(problem["problem"], INSTRUCTION)
     assert prompt == expected
-    got = backend.generate(prompt, K, harness.PROTOCOLS["stare"], seed=5)
-    # in index order; the EOS id vLLM keeps is not counted, a sample cut at max_tokens counts every token
-    assert got == [("\\boxed{2}", 4), ("\\boxed{5}", 4), ("\\boxed{2}", MAX_TOKENS)]
+    proto = harness.Protocol("stare", K, 1.0, 0.7, 6)
+    got = backend.generate(prompt, K, proto, seed=5)
+    n = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert n[0] < 6 and n[1] < 6 and n[2] > 6
+    # in index order; the EOS id vLLM keeps is not counted; a sample cut at max_tokens counts every token
+    assert got == [(texts[0], n[0], {"truncated": False}), (texts[1], n[1], {"truncated": False}),
+                   (tok.decode(tok(texts[2], add_special_tokens=False)["input_ids"][:6]), 6, {"truncated": True})]
     (prompts, _), = calls["generate"]
     ids = prompts[0]["prompt_token_ids"]
     assert ids == backend.tokenizer(expected, add_special_tokens=False)["input_ids"]
     assert backend.tokenizer("x")["input_ids"][0] == backend.tokenizer.bos_token_id  # it would add one ...
     assert backend.tokenizer.bos_token_id not in ids  # ... the template's text is sent as it is
+    assert [c["seed"] for c in calls["samples"]] == [5, 6, 7]
 
 
 def test_default_backend(monkeypatch):
     import torch
 
-    module, _ = fake_vllm({})
+    module, _ = make_vllm(lambda child: iter(()))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", module)
     assert harness.default_backend() == "vllm"
