@@ -55,16 +55,16 @@ PROTOCOLS = {
 }
 
 
-# vLLM 0.29.0 (vllm/sampling_params.py): temperature below _SAMPLING_EPS = 1e-5 is greedy decoding, and
-# SamplingParams._verify_args refuses a temperature outside [0, 2]; _verify_greedy_sampling refuses n > 1 when
-# greedy. transformers' generate refuses num_return_sequences > 1 without sampling. Both backends follow vLLM.
-GREEDY_BELOW = 1e-5
+# vLLM 0.29.0 (vllm/sampling_params.py, SamplingParams.__post_init__): a temperature in (0, 1e-2) is raised to
+# 1e-2, then one below _SAMPLING_EPS = 1e-5 (so only 0) means greedy decoding, and _verify_greedy_sampling refuses
+# n > 1 for it; _verify_args refuses a temperature outside [0, 2]. transformers' generate refuses
+# num_return_sequences > 1 without sampling. Both backends follow vLLM's rules.
 MAX_TEMPERATURE = 2.0
 
 
 def is_greedy(proto: Protocol) -> bool:
-    """Greedy decoding (one answer per prompt): temperature below 1e-5, as vLLM decides it."""
-    return proto.temperature < GREEDY_BELOW
+    """Greedy decoding (one answer per prompt): temperature 0, as vLLM decides it (any temperature > 0 samples)."""
+    return proto.temperature == 0
 
 
 def resolve_protocol(name: str, **overrides) -> Protocol:
@@ -80,7 +80,7 @@ def resolve_protocol(name: str, **overrides) -> Protocol:
         raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE:g}], got {proto.temperature}")
     if is_greedy(proto) and proto.k > 1:
         raise ValueError(f"--temperature {proto.temperature} is greedy decoding, which gives one sample per "
-                         f"problem, but --k is {proto.k}: use --k 1 (or a temperature >= {GREEDY_BELOW:g})")
+                         f"problem, but --k is {proto.k}: use --k 1 (or a temperature > 0)")
     if proto.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {proto.max_tokens}")
     return proto
