@@ -148,7 +148,7 @@ class ContextBackend:
         return [(f"\\boxed{{{i}}}", 90 if cut else 5, {"truncated": cut}) for i, cut in enumerate(flags)]
 
 
-def test_not_attempted_and_truncated_by_hand(tmp_path, capsys):
+def test_not_attempted_and_truncated_by_hand(tmp_path):
     from stare.eval.harness import Protocol, run_eval
 
     problems = [Problem("a", "qa", "1"), Problem("long", "qlong", "7"), Problem("b", "qb", "0")]
