@@ -299,7 +299,8 @@ def eval_(
     k: Optional[int] = typer.Option(None, "--k", help="Samples per problem (default: the protocol's)."),
     protocol: str = typer.Option("stare", "--protocol", help="stare (k 32, T 1.0, top_p 0.7), dapo, r1 (T 0.6, "
                                                             "top_p 0.95)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol; in [0, 2]. 0 "
+                                                                           "is greedy: one sample, so --k 1."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Overrides the protocol."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Overrides the protocol."),
     backend: Optional[str] = typer.Option(None, "--backend", help="vllm or hf (default: vllm when importable "
@@ -312,7 +313,8 @@ def eval_(
                                                                       "hub (default: $STARE_DATA_DIR, else the copy "
                                                                       "shipped for aime24/aime25, else the hub)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (sample j of problem i: (seed mod 2**31) * 2**32 + "
+                                               "i * k + j)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: evals/BENCH)."),
     resume: bool = typer.Option(False, "--resume", help="Skip samples already in OUT/samples.jsonl."),
     tools: Optional[str] = typer.Option(None, "--tools", help="python: multi-turn tool use, code blocks run in a "
