@@ -20,8 +20,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from stare.cli.local.report import (CURVES, FINAL_PCT, LATE_PCT, _band, _mean, _tail, _values, band_share, load_run,
-                                    plot_curves)
+from stare.cli.plots import CURVES, plot_curves
+from stare.cli.runs import FINAL_PCT, LATE_PCT, _band, _mean, _tail, _values, band_share, load_run
 from stare.cli.tensorboard_runs import event_dirs, load_tb_run, run_root
 
 BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")

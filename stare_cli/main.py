@@ -270,7 +270,9 @@ def run(
             fail(f"{out} holds a run of preset {old.get('preset')!r}; use another --out (nothing was changed)")
     elif out.exists() and any(out.iterdir()):
         fail(f"{out} is not empty and holds no stare run; use another --out (nothing was changed)")
-    from .local.report import plot_curves, load_run, write_comparison
+    from .plots import plot_curves
+    from .runs import load_run
+    from .tables import write_comparison
     from .local.runner import run_arms
     from .local.trainer import RunDirError
 

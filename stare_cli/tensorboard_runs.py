@@ -86,9 +86,9 @@ def _config(path: Path | None) -> dict:
 
 
 def load_tb_run(folder: Path):
-    """A ``Run`` (as ``stare.cli.local.report`` uses; ``algo`` None without a config.yaml) from the event files in
+    """A ``Run`` (as ``stare.cli.runs`` defines; ``algo`` None without a config.yaml) from the event files in
     ``folder``; ValueError when none of ``TB_TAGS``' tags is there."""
-    from .local.report import Run
+    from .runs import Run
 
     folder = Path(folder)
     scalars = read_scalars(folder)
