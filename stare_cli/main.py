@@ -112,11 +112,11 @@ def _resolve_or_fail(preset: str, algo: str, sets: list[str]) -> dict:
 
 def _print_eval(console_: Console, result: dict) -> None:
     k = result["k"]
-    line = (f"held-out avg@{k} {result[f'avg_at_{k}']:.3f}  pass@{k} {result[f'pass_at_{k}']:.3f}  "
+    line = (f"held-out avg@{k} {result['avg_at_k']:.3f}  pass@{k} {result['pass_at_k']:.3f}  "
             f"greedy {result['greedy_accuracy']:.3f}")
     if result.get("hard"):
         h = result["hard"]
-        line += f"  |  hard cases: avg@{k} {h[f'avg_at_{k}']:.3f} pass@{k} {h[f'pass_at_{k}']:.3f}"
+        line += f"  |  hard cases: avg@{k} {h['avg_at_k']:.3f} pass@{k} {h['pass_at_k']:.3f}"
     console_.print(line)
 
 
@@ -287,9 +287,10 @@ def run(
         fail(str(exc))
     runs = [load_run(d) for d in dirs]
     write_comparison(out, runs)
-    plot_curves(out, runs)
+    plots = plot_curves(out, runs)
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {out}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
+    console.print(f"wrote {out}/comparison.md, comparison.csv" + "".join(f", {p.name}" for p in plots),
+                  markup=False, highlight=False)
 
 
 @app.command("eval")
@@ -432,7 +433,7 @@ def compare(
         fail(str(exc))
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"{len(rows)} row(s) -> {out}/comparison.md, comparison.csv" +
-                  (", plots" if (out / "entropy.png").exists() else ""))
+                  (", plots" if (out / "entropy.png").exists() else ""), markup=False, highlight=False)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import json
 import math
 import statistics
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -38,6 +38,32 @@ class Run:
     config: dict
     metrics: list[dict]  # one record per step, sorted by step
     eval: dict | None  # eval.json, None while the run has not finished
+    evals: dict = field(default_factory=dict)  # bench -> summary.json of a ``stare eval`` of this run
+
+
+BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
+
+
+def read_summary(folder: Path) -> dict:
+    """``folder/summary.json`` (a ``stare eval`` output); ValueError naming the file when it is not readable."""
+    path = Path(folder) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("bench"), str):
+        raise ValueError(f"{path} is malformed: expected a JSON object with a bench name")
+    return summary
+
+
+def read_evals(folder: Path) -> dict[str, dict]:
+    """bench -> summary.json of the ``eval-<bench>/`` folders in a run's folder (``stare eval --out RUN``)."""
+    found = {}
+    for sub in sorted(Path(folder).glob("eval-*")):
+        if (sub / "summary.json").is_file():
+            summary = read_summary(sub)
+            found[summary["bench"]] = summary
+    return found
 
 
 def load_run(path) -> Run:
@@ -92,35 +118,36 @@ def load_run(path) -> Run:
             raise ValueError(f"{eval_path} is not valid JSON: {exc}") from None
         if not isinstance(result, dict) or not isinstance(result.get("k"), int):
             raise ValueError(f"{eval_path} is malformed: expected a JSON object with an integer k")
-    return Run(path=path, algo=algo["name"], seed=seed, config=config, metrics=metrics, eval=result)
+    return Run(path=path, algo=algo["name"], seed=seed, config=config, metrics=metrics, eval=result,
+               evals=read_evals(path))
 
 
 # ---- 2. per-run measures and one arm's summary ------------------------------------------------------------------
-def _num(value) -> float | None:
+def num(value) -> float | None:
     """A finite number as float; anything else (absent, None, NaN, a string, a bool) is None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def _tail(records: list[dict], pct: int) -> list[dict]:
+def tail(records: list[dict], pct: int) -> list[dict]:
     """The last ``pct`` percent of the records (rounded up, at least one)."""
     n = max(1, -(-len(records) * pct // 100))
     return records[-n:]
 
 
-def _values(records: list[dict], key: str) -> list[float]:
+def values(records: list[dict], key: str) -> list[float]:
     """The key's values in the records that have it (a missing key is absent, not 0)."""
-    return [v for v in (_num(r.get(key)) for r in records) if v is not None]
+    return [v for v in (num(r.get(key)) for r in records) if v is not None]
 
 
-def _mean(values: list[float]) -> float | None:
+def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _slope_per_100(records: list[dict], key: str) -> float | None:
+def slope_per_100(records: list[dict], key: str) -> float | None:
     """Least-squares slope of ``key`` against step, per 100 steps (None with fewer than two steps)."""
-    pts = [(float(r["step"]), v) for r in records if (v := _num(r.get(key))) is not None]
+    pts = [(float(r["step"]), v) for r in records if (v := num(r.get(key))) is not None]
     if len(pts) < 2:
         return None
     mx = sum(x for x, _ in pts) / len(pts)
@@ -131,8 +158,8 @@ def _slope_per_100(records: list[dict], key: str) -> float | None:
     return 100 * sum((x - mx) * (y - my) for x, y in pts) / sxx
 
 
-def _band(run: Run) -> tuple[float, float] | None:
-    low, high = _num(run.config["algo"].get("band_low")), _num(run.config["algo"].get("band_high"))
+def run_band(run: Run) -> tuple[float, float] | None:
+    low, high = num(run.config["algo"].get("band_low")), num(run.config["algo"].get("band_high"))
     return None if low is None or high is None else (low, high)
 
 
@@ -143,31 +170,40 @@ def band_share(band: tuple[float, float] | None, entropies: list[float]) -> floa
     return sum(band[0] <= h <= band[1] for h in entropies) / len(entropies)
 
 
-def _held_out(result: dict | None, k: int | None) -> dict:
-    """avg@k, pass@k and greedy accuracy of one eval.json block (None where absent)."""
+def held_out(result: dict | None, k: int | None) -> dict:
+    """avg@k, pass@k and greedy accuracy of one eval.json block (None where absent).
+
+    Reads ``avg_at_k`` / ``pass_at_k`` (the field names ``summary.json`` uses too) and, for eval.json files written
+    before those were added, ``avg_at_{k}`` / ``pass_at_{k}``.
+    """
     result = result if isinstance(result, dict) else {}
-    return {"avg_at_k": _num(result.get(f"avg_at_{k}")), "pass_at_k": _num(result.get(f"pass_at_{k}")),
-            "greedy_accuracy": _num(result.get("greedy_accuracy"))}
+
+    def first(*keys):
+        return next((v for v in (num(result.get(key)) for key in keys) if v is not None), None)
+
+    return {"avg_at_k": first("avg_at_k", f"avg_at_{k}"), "pass_at_k": first("pass_at_k", f"pass_at_{k}"),
+            "greedy_accuracy": num(result.get("greedy_accuracy"))}
 
 
 def run_measures(run: Run) -> dict:
     """The per-run numbers of the comparison (see the module docstring for the windows)."""
     m = run.metrics
-    late = _tail(m, LATE_PCT)
-    start = _num(m[0].get("entropy"))
-    late_h = _values(late, "entropy")
-    late_mean = _mean(late_h)
-    band = _band(run)
+    late = tail(m, LATE_PCT)
+    start = num(m[0].get("entropy"))
+    late_h = values(late, "entropy")
+    late_mean = mean(late_h)
+    band = run_band(run)
     k = run.eval["k"] if run.eval else None
-    held = _held_out(run.eval, k)
-    hard = _held_out(run.eval.get("hard"), k) if run.eval else _held_out(None, k)
+    held = held_out(run.eval, k)
+    hard = held_out(run.eval.get("hard"), k) if run.eval else held_out(None, k)
     return {
-        "final_reward": _mean(_values(_tail(m, FINAL_PCT), "reward_mean")),
+        "final_reward": mean(values(tail(m, FINAL_PCT), "reward_mean")),
         "start_entropy": start,
         "late_entropy": late_mean,
         "late_start_ratio": late_mean / start if late_mean is not None and start else None,
         "band_share": band_share(band, late_h),
-        "late_reward_slope": _slope_per_100(_tail(m, SLOPE_PCT), "reward_mean"),
+        "late_reward_slope": slope_per_100(tail(m, SLOPE_PCT), "reward_mean"),
+        "late_response_length": mean(values(late, "response_length")),
         **held,
         **{f"hard_{name}": v for name, v in hard.items()},
     }
@@ -175,17 +211,47 @@ def run_measures(run: Run) -> dict:
 
 MEASURES = ("final_reward", "avg_at_k", "pass_at_k", "greedy_accuracy", "start_entropy", "late_entropy",
             "late_start_ratio", "band_share", "late_reward_slope", "hard_avg_at_k", "hard_pass_at_k",
-            "hard_greedy_accuracy")
+            "hard_greedy_accuracy", "late_response_length")
 
 
-def _aggregate(values: list[float | None]) -> dict:
+def ordered_benches(names) -> list[str]:
+    """Bench names in the order aime24, aime25, amc23, math500, then the others sorted."""
+    names = set(names)
+    return [b for b in BENCH_ORDER if b in names] + sorted(names - set(BENCH_ORDER))
+
+
+def bench_measures(summary: dict) -> dict:
+    """The comparison's numbers from one ``stare eval`` summary.json."""
+    ci = (summary.get("ci95") or {}).get("avg_at_k") or [None, None]
+    return {"k": summary.get("k"), "avg_at_k": num(summary.get("avg_at_k")), "pass_at_k": num(summary.get("pass_at_k")),
+            "ci_low": num(ci[0]), "ci_high": num(ci[1]), "reflection": num(summary.get("reflection_per_1k_tokens")),
+            "model": summary.get("model")}
+
+
+def summarise_benches(evals: list[dict]) -> dict:
+    """bench -> {"k", "avg_at_k", "pass_at_k", "reflection" (each mean/std/n over the runs that have the bench),
+    "ci95" (the bootstrap interval, only when one run has it)} over several runs' ``bench -> summary`` maps."""
+    out = {}
+    for b in ordered_benches({b for e in evals for b in e}):
+        cells = [bench_measures(e[b]) for e in evals if b in e]
+        ks = list(dict.fromkeys(c["k"] for c in cells if c["k"] is not None))
+        one = cells[0] if len(cells) == 1 else None
+        out[b] = {"k": ks[0] if len(ks) == 1 else "/".join(map(str, ks)) or None,
+                  "avg_at_k": aggregate([c["avg_at_k"] for c in cells]),
+                  "pass_at_k": aggregate([c["pass_at_k"] for c in cells]),
+                  "reflection": aggregate([c["reflection"] for c in cells]),
+                  "ci95": [one["ci_low"], one["ci_high"]] if one and one["ci_low"] is not None else None}
+    return out
+
+
+def aggregate(values: list[float | None]) -> dict:
     """Mean, sample std (None for one value) and count of the values that are not None."""
     present = [v for v in values if v is not None]
-    return {"mean": _mean(present), "std": statistics.stdev(present) if len(present) > 1 else None,
+    return {"mean": mean(present), "std": statistics.stdev(present) if len(present) > 1 else None,
             "n": len(present)}
 
 
-def _common_k(runs: list[Run]) -> int | None:
+def common_k(runs: list[Run]) -> int | None:
     ks = {r.eval["k"] for r in runs if r.eval}
     if len(ks) > 1:
         raise ValueError(f"the runs were evaluated with different k ({', '.join(map(str, sorted(ks)))}); "
@@ -209,7 +275,7 @@ def summarise_arm(runs: list[Run]) -> dict:
     if dup:
         raise ValueError(f"arm {runs[0].algo} has more than one run with seed {sorted(dup)[0]}: "
                          + ", ".join(str(r.path) for r in runs if r.seed in dup))
-    k = _common_k(runs)
+    k = common_k(runs)
     per_run = []
     for r in runs:
         planned = (r.config.get("settings") or {}).get("steps")
@@ -220,6 +286,7 @@ def summarise_arm(runs: list[Run]) -> dict:
         "n_seeds": len(runs),
         "seeds": seeds,
         "k": k,
-        "metrics": {name: _aggregate([p[name] for p in per_run]) for name in MEASURES},
+        "metrics": {name: aggregate([p[name] for p in per_run]) for name in MEASURES},
+        "benches": summarise_benches([r.evals for r in runs]),
         "runs": per_run,
     }

@@ -105,7 +105,7 @@ def test_missing_eval_gives_blanks_and_a_note(tmp_path):
     (b / "config.yaml").write_text(yaml.safe_dump(cfg))
     summary = write_comparison(tmp_path / "out", [load_run(a), load_run(b)])
     rows = read_csv(tmp_path / "out" / "comparison.csv")
-    assert list(rows) == ["grpo", "dapo"]  # first-seen order
+    assert list(rows) == ["grpo", "dapo"]  # the registry's order
     assert rows["dapo"]["avg_at_8_mean"] == "" and rows["dapo"]["pass_at_8_mean"] == ""
     assert rows["dapo"]["greedy_accuracy_mean"] == ""
     assert rows["dapo"]["final_reward_mean"] != ""  # the training curve is still there
@@ -158,7 +158,7 @@ def test_hard_cases_and_permutation_p_value_vs_baseline(tmp_path):
                         eval_=held_out(0.5, 0.7, 0.5, hard=(0.1, 0.2)))
     summary = write_comparison(tmp_path / "out", [load_run(r) for r in runs + [one_seed]])
     arms = {a["arm"]: a for a in summary["arms"]}
-    assert list(arms) == ["dapo", "stare-phi", "grpo"]
+    assert list(arms) == ["grpo", "dapo", "stare-phi"]  # the registry's order, not the order given
     # stare's three values are the three largest of six: 1 split out of C(6, 3) = 20
     assert arms["stare-phi"]["p_hard_pass_vs_baseline"] == pytest.approx(1 / 20)
     assert arms["dapo"]["p_hard_pass_vs_baseline"] is None  # the baseline itself
