@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from .presets import read_config
 
 # Windows over the end of a run, in percent of its recorded steps (at least one step each).
 FINAL_PCT = 10  # final reward
@@ -74,10 +74,10 @@ def load_run(path) -> Run:
     if not config_path.is_file():
         raise ValueError(f"{path} is not a run directory: no config.yaml there")
     try:
-        config = yaml.safe_load(config_path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{config_path} is not valid YAML: {exc}") from None
-    algo = config.get("algo") if isinstance(config, dict) else None
+        config = read_config(config_path)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (expected a mapping with algo.name)") from None
+    algo = config.get("algo")
     if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
         raise ValueError(f"{config_path} is malformed: expected a mapping with algo.name")
     settings = config.get("settings") or {}
