@@ -2,12 +2,15 @@
 
 A run directory (one algorithm, one seed) holds ``config.yaml`` (the resolved settings), ``metrics.jsonl`` (one
 JSON object per RL step) and, once the run has finished, ``eval.json`` (held-out avg@k, pass@k, greedy accuracy,
-overall and on the hard cases, and the warm start's numbers before RL). OpenRLHF runs are read into the same
-record from their TensorBoard logs (``stare.cli.tensorboard_runs``).
+overall and on the hard cases, and the warm start's numbers before RL), and the ``eval-<bench>/summary.json``
+folders of ``stare eval --out RUN`` (``Run.evals``). OpenRLHF runs are read into the same record from their
+TensorBoard logs (``stare.cli.tensorboard_runs``).
 
 1. ``load_run``: one run directory -> ``Run``;
-2. per-run measures (final reward, start and late-run entropy, band share, late reward slope, held-out
-   numbers) and ``summarise_arm``: the measures of one arm's seeds, with their mean, sample std and count.
+2. per-run measures (final reward, start and late-run entropy, band share, late reward slope, late response
+   length, held-out numbers), per-benchmark numbers (``summarise_benches``) and ``summarise_arm``: the measures
+   of one arm's seeds, with their mean, sample std and count. The table (``stare.cli.tables``) and the plots
+   (``stare.cli.plots``) read these, for ``stare run`` and ``stare compare`` alike.
 
 A measure that cannot be computed (no eval.json, a key the metrics never logged, one seed for a std) is None
 and is written as a blank cell; it is never replaced by 0.

@@ -260,3 +260,14 @@ def test_plots_are_png_files(tmp_path):
     for p in written:
         data = p.read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+
+
+def test_eval_json_field_names_old_and_new():
+    """eval.json's avg_at_k/pass_at_k (the names summary.json uses) are read, and so are the older avg_at_8/pass_at_8."""
+    from stare.cli.runs import held_out
+
+    assert held_out({"avg_at_k": 0.5, "pass_at_k": 0.75, "greedy_accuracy": 0.25}, 8) == \
+        {"avg_at_k": 0.5, "pass_at_k": 0.75, "greedy_accuracy": 0.25}
+    assert held_out({"avg_at_8": 0.5, "pass_at_8": 0.75}, 8) == {"avg_at_k": 0.5, "pass_at_k": 0.75,
+                                                                 "greedy_accuracy": None}
+    assert held_out({"avg_at_16": 0.5}, 8)["avg_at_k"] is None  # another k's field is not this k's
