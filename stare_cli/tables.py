@@ -3,7 +3,8 @@
 
 Rows: a warm-start row when the runs' eval.json files carry the warm start's numbers, then one row per arm.
 An arm is the runs of one algorithm that differ only in their seed (same preset, settings and algorithm
-settings); its cells are mean ± sample std over the seeds. Arms come in the registry's order
+settings; a repeat of a seed is an arm of its own); its cells are mean ± sample std over the seeds. Two arms
+of one algorithm are labelled with their folders. Arms come in the registry's order
 (``stare algos``: grpo, dr-grpo, dapo, stare, stare-c2, stare-phi), then runs without a known algorithm
 (OpenRLHF logs without a config.yaml), then evaluations that belong to no run given, one row per model.
 The row order does not depend on the order the folders were named in, so both commands write the same table.
@@ -47,10 +48,18 @@ def algo_rank(algo: str | None) -> int:
 
 def group_arms(runs: list[Run]) -> list[list[Run]]:
     """The runs grouped into arms (see ``_arm_key``), in the registry's algorithm order, then first-seen order."""
-    arms: dict[str, list[Run]] = {}
+    arms: dict[str, list[list[Run]]] = {}
     for r in runs:
-        arms.setdefault(_arm_key(r), []).append(r)
-    return sorted(arms.values(), key=lambda group: algo_rank(group[0].algo))  # sorted() is stable
+        groups = arms.setdefault(_arm_key(r), [])
+        # a run with the same settings and seed as one already in the arm (a repeat, e.g. `stare train` of an
+        # arm `stare run` also trained) is not another seed: it starts an arm of its own
+        home = next((g for g in groups if all(x.seed != r.seed for x in g)), None)
+        if home is None:
+            groups.append([r])
+        else:
+            home.append(r)
+    flat = [g for groups in arms.values() for g in groups]
+    return sorted(flat, key=lambda group: algo_rank(group[0].algo))  # sorted() is stable
 
 
 def arm_labels(arms: list[list[Run]]) -> list[str]:

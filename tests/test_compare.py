@@ -103,6 +103,15 @@ def test_arms_of_one_algorithm_with_other_settings_are_separate_rows_with_one_co
     assert colour(None, palette) == colour("unknown", palette) == 6
 
 
+def test_a_repeated_run_is_its_own_row_not_a_duplicate_seed(tmp_path):
+    make_run(tmp_path / "runs" / "stare", "stare", [0.5] * 4)
+    make_run(tmp_path / "one", "stare", [0.3] * 4)  # the same settings and (no) seed, trained again elsewhere
+    rows = compare([tmp_path / "runs", tmp_path / "one"], tmp_path / "cmp")
+    assert [r["label"] for r in rows] == [f"stare ({tmp_path / 'runs' / 'stare'})", f"stare ({tmp_path / 'one'})"]
+    table = {r["arm"]: r for r in csv.DictReader((tmp_path / "cmp" / "comparison.csv").open())}
+    assert float(table[f"stare ({tmp_path / 'one'})"]["late_entropy_mean"]) == 0.3
+
+
 def test_stare_run_and_stare_compare_write_the_same_table(tmp_path):
     """Both commands on the same run folders: the same rows, columns and numbers (the issue's 0.321 vs 0.347)."""
     out = tmp_path / "demo"
