@@ -1,7 +1,7 @@
 """stare.algorithms: GRPO, DAPO and STARE as pure functions on tensors.
 
 No import of OpenRLHF, Ray or vLLM: the local engine, the OpenRLHF plugin and users' own trainers all call
-the same code. See docs/stare-algorithm.md in the shared docs for the mathematics.
+the same code. See docs/algorithm.md for the mathematics.
 """
 from ._checks import check_finite
 from .advantages import group_advantages, informative_groups, overlong_penalty

@@ -6,7 +6,7 @@ eta A (e_a - p) and, to first order, the entropy by eta A Phi with
 
     Phi(p, a) = p_a (s_a - H) - sum_j p_j^2 (s_j - H)
 
-(section 2 of docs/stare-algorithm.md). ``entropy_sensitivity`` computes H, s_a and Phi in one pass over
+(section 1 of docs/algorithm.md). ``entropy_sensitivity`` computes H, s_a and Phi in one pass over
 the logits, in float32, without gradient, with one of two kernels:
 
 - ``torch``: ``chunk_size`` rows at a time; the extra memory is a few chunk x V float32 buffers, never N x V.

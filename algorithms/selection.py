@@ -9,7 +9,7 @@ The paper's rule (``selection="quantile"``), over the response tokens passed in 
 "Top k" is a threshold: the k-th largest surprisal in the set, every token at or above it selected (exact
 ties at the threshold are all selected, so the choice never depends on token order or layout).
 
-The exact rule (``selection="phi"``, section 6 of docs/stare-algorithm.md) selects by the sign of the
+The exact rule (``selection="phi"``, section 3 of docs/algorithm.md) selects by the sign of the
 first-order entropy sensitivity instead: L+ = A > 0 and Phi > 0 (they raise entropy), L- = A < 0 and
 Phi > 0 (they lower it), optionally capped to the top ``phi_cap`` share by Phi; ``damp`` weights the
 entropy-lowering majority (A > 0, Phi < 0). ``direction=-1`` mirrors everything (the ranking key is

@@ -97,6 +97,9 @@ def _answer_str(value) -> str:
     return str(value).strip()
 
 
+answer_str = _answer_str  # public name: a dataset answer (int, float, text) as the string the checker compares
+
+
 def _to_problems(rows, where: str, *, problem_field: str = "problem", answer_field: str = "answer",
                  id_field: str | None = "id", line_numbers: list[int] | None = None) -> list[Problem]:
     """Rows (dicts) -> Problems; ``where`` names the file or repo in error messages."""

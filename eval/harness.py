@@ -24,13 +24,14 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .data import Problem
-from .metrics import bootstrap_ci, maj_at_k, majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
+from .metrics import majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
 from .scoring import extract_boxed, score_many, warn_if_all_empty
+from .summary import core_summary, write_summary
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -306,8 +307,12 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def _versions() -> dict:
+def versions() -> dict:
+    """Versions of the packages an evaluation's numbers depend on (None: not installed)."""
     return {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
+
+
+_versions = versions  # the older private name
 
 
 def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:
@@ -415,12 +420,12 @@ def outcome_fields(problems, ordered: list[list[dict]]) -> dict:
             "not_attempted": len(skipped), "not_attempted_ids": skipped}
 
 
-def outcome_md(summary: dict) -> list[str]:
-    """summary.md's table rows for ``outcome_fields``."""
-    rows = [f"| truncated (share of attempted samples) | {summary['truncated']:.4f} | |"]
+def outcome_md(summary: dict) -> list[tuple[str, str]]:
+    """summary.md's (name, value) rows for ``outcome_fields``."""
+    rows = [("truncated (share of attempted samples)", f"{summary['truncated']:.4f}")]
     if summary["not_attempted"]:
-        rows.append(f"| problems not attempted (prompt longer than the context; scored 0) | "
-                    f"{summary['not_attempted']} ({', '.join(map(str, summary['not_attempted_ids']))}) | |")
+        rows.append(("problems not attempted (prompt longer than the context; scored 0)",
+                     f"{summary['not_attempted']} ({', '.join(map(str, summary['not_attempted_ids']))})"))
     return rows
 
 
@@ -435,42 +440,25 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
     tried = attempted(ordered)  # response statistics: of the samples that were generated
     responses = [r["response"] for r in tried]
     tokens = [r["num_tokens"] for r in tried]
-    summary = {
-        "bench": bench, "model": model, "backend": backend, "seed": seed, "k": k, "n_problems": len(problems),
-        "avg_at_k": sum(per_problem) / len(per_problem),
-        "pass_at_k": sum(per_pass) / len(per_pass),
-        "maj_at_k": maj_at_k(extracted, correct),
-        "ci95": {"avg_at_k": list(bootstrap_ci(per_problem)), "pass_at_k": list(bootstrap_ci(per_pass)),
-                 "maj_at_k": list(bootstrap_ci(per_maj))},
+    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, per_problem=per_problem,
+                           per_pass=per_pass, per_maj=per_maj, ids=[p.id for p in problems],
+                           answers=[p.answer for p in problems])
+    summary.update({
         "mean_response_tokens": sum(tokens) / len(tokens) if tokens else 0.0,
         "reflection_per_1k_tokens": reflection_rate(responses, tokens),
         **outcome_fields(problems, ordered),
-        "protocol": asdict(proto),
-        "versions": _versions(),
-        "per_problem": [{"id": p.id, "accuracy": acc, "answer": p.answer} for p, acc in zip(problems, per_problem)],
-    }
+        "versions": versions(),
+    })
+    extra_rows = outcome_md(summary)
     if tools is not None:  # --tools: the tool settings and the mean turns / tool calls per sample
         flat = [r for recs in ordered for r in recs]
         summary["tools"] = tools
         summary["mean_turns"] = sum(r.get("turns", 0) for r in flat) / len(flat)
         summary["mean_tool_calls"] = sum(r.get("tool_calls", 0) for r in flat) / len(flat)
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
-    ci = summary["ci95"]
-    md = [f"# {bench}: {model}", "",
-          f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
-          f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems", "",
-          "| metric | value | 95% bootstrap interval |", "|---|---|---|",
-          f"| avg@{k} | {summary['avg_at_k']:.4f} | [{ci['avg_at_k'][0]:.4f}, {ci['avg_at_k'][1]:.4f}] |",
-          f"| pass@{k} | {summary['pass_at_k']:.4f} | [{ci['pass_at_k'][0]:.4f}, {ci['pass_at_k'][1]:.4f}] |",
-          f"| maj@{k} | {summary['maj_at_k']:.4f} | [{ci['maj_at_k'][0]:.4f}, {ci['maj_at_k'][1]:.4f}] |",
-          f"| mean response tokens | {summary['mean_response_tokens']:.1f} | |",
-          f"| reflection words per 1k tokens | {summary['reflection_per_1k_tokens']:.2f} | |",
-          *outcome_md(summary),
-          *([f"| mean turns | {summary['mean_turns']:.2f} | |",
-             f"| mean tool calls | {summary['mean_tool_calls']:.2f} | |"] if tools is not None else []),
-          "", "| problem | answer | accuracy |", "|---|---|---|"]
-    md += [f"| {row['id']} | {row['answer']} | {row['accuracy']:.3f} |" for row in summary["per_problem"]]
-    (out / "summary.md").write_text("\n".join(md) + "\n")
+        extra_rows += [("mean turns", f"{summary['mean_turns']:.2f}"),
+                       ("mean tool calls", f"{summary['mean_tool_calls']:.2f}")]
+    write_summary(out, summary, title=f"{bench}: {model}",
+                  setup=f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
+                        f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems",
+                  extra_rows=extra_rows)
     return summary

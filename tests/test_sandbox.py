@@ -130,19 +130,43 @@ def test_daemonised_grandchild_does_not_survive():
     assert res.ok and res.stdout == "parent done\n"
 
 
+_LISTENERS: dict[int, socket.socket] = {}  # port -> the listening socket of the ``listener`` fixture
+
+
 @pytest.fixture
 def listener():
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(5)
     srv.settimeout(0.3)
-    yield srv.getsockname()[1]
+    port = srv.getsockname()[1]
+    _LISTENERS[port] = srv
+    yield port
+    del _LISTENERS[port]
     srv.close()
 
 
 def _nothing_connected(port):
-    with socket.socket() as probe:  # the listener is still there and reachable from here
+    """No connection reached the listener (none is waiting to be accepted, even one closed since), and the
+    listener itself works: a probe from here is accepted, so the empty backlog is not a dead socket."""
+    srv = _LISTENERS[port]
+    with pytest.raises(socket.timeout):
+        conn, peer = srv.accept()
+        conn.close()
+        pytest.fail(f"a connection reached the listener from {peer}")
+    with socket.socket() as probe:
         probe.connect(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()
+
+
+def test_nothing_connected_sees_a_connection(listener):
+    """The check above can fail: a connection made (and closed) before it is found."""
+    with socket.socket() as early:
+        early.connect(("127.0.0.1", listener))
+    with pytest.raises(pytest.fail.Exception, match="a connection reached the listener"):
+        _nothing_connected(listener)
+    _nothing_connected(listener)  # the backlog is empty again
 
 
 def test_network_is_blocked(listener):
@@ -265,7 +289,12 @@ def test_unknown_isolation_is_refused():
 def test_import_of_scientific_stack_works():
     res = run("import sympy\nx = sympy.Symbol('x')\nprint(sympy.solve(x**2 - 4, x))\nimport numpy\nprint(numpy.arange(4).sum())")
     assert res.ok and res.stdout == "[-2, 2]\n6\n"
-    assert sys.executable  # the sandbox ran the caller's interpreter (sympy and numpy come from its site-packages)
+    # the sandbox ran the caller's Python, with sympy and numpy from the caller's own site-packages
+    import numpy
+    import sympy
+
+    res = run("import sys\nimport sympy\nimport numpy\nprint(repr(sys.version))\nprint(sympy.__file__)\nprint(numpy.__file__)")
+    assert res.ok and res.stdout.splitlines() == [repr(sys.version), sympy.__file__, numpy.__file__]
 
 
 # ---- the caller's files and venvs anywhere ----------------------------------------------------------------------

@@ -19,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .trainer import LocalTrainer, check_run_dir, prepare_run_dir
 
 
-def _quiet() -> None:
+def quiet() -> None:
+    """Silence library chatter (tokenizers, hub progress bars, warnings, transformers' logging) in this process."""
     import os
     import warnings
 
@@ -35,8 +36,11 @@ def _quiet() -> None:
         pass
 
 
+_quiet = quiet  # the older private name
+
+
 def _warmstart_job(resolved: dict, folder: str) -> str:
-    _quiet()
+    quiet()
     import torch
 
     from .models import initial_policy
@@ -47,7 +51,7 @@ def _warmstart_job(resolved: dict, folder: str) -> str:
 
 
 def _arm_job(resolved: dict, run_dir: str, warmstart_dir: str | None, resume: bool) -> dict:
-    _quiet()
+    quiet()
     trainer = LocalTrainer(resolved, Path(run_dir), warmstart_dir=Path(warmstart_dir) if warmstart_dir else None)
     return trainer.run(resume=resume)
 

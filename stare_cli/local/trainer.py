@@ -45,55 +45,11 @@ from .evaluate import evaluate_policy
 from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
 from .tasks import get_task
 
+# the run-folder helpers live in stare.cli.rundir (the OpenRLHF backend uses them too); imported here for old imports
+from ..rundir import RunDirError, atomic_write as _atomic_write, check_run_dir, prepare_run_dir  # noqa: F401
+
 CHECKPOINT = "checkpoint"
 FINAL = "final"
-
-
-class RunDirError(ValueError):
-    """The run directory cannot be used as asked (another run there, nothing to resume): exit code 2."""
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
-    """Check, without touching anything, that ``run_dir`` can take this run.
-
-    Returns True when the directory already holds this run (to be resumed). Raises ``RunDirError`` for another
-    preset's or algorithm's run, a run started with other settings, an existing run without ``resume``,
-    ``resume`` with nothing to resume, or a non-empty folder that is not a stare run.
-    """
-    config = run_dir / "config.yaml"
-    if config.exists():
-        old = yaml.safe_load(config.read_text()) or {}
-        if old.get("preset") != resolved["preset"] or old.get("algo", {}).get("name") != resolved["algo"]["name"]:
-            raise RunDirError(
-                f"{run_dir} holds a run of preset {old.get('preset')!r} with algorithm "
-                f"{old.get('algo', {}).get('name')!r}; use another --out (nothing was changed)")
-        if not resume:
-            raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it or use another --out "
-                              "(nothing was changed)")
-        if old != resolved:
-            raise RunDirError(f"{run_dir} was started with other settings; resume it with the same --set values "
-                              "(see its config.yaml)")
-        return True
-    if resume:
-        raise RunDirError(f"nothing to resume in {run_dir}: no config.yaml there")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(f"{run_dir} is not empty and holds no stare run; use another --out (nothing was changed)")
-    return False
-
-
-def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
-    """``check_run_dir``, then create the directory and its ``config.yaml`` for a new run."""
-    existing = check_run_dir(run_dir, resolved, resume)
-    if not existing:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    return existing
 
 
 class LocalTrainer:
