@@ -131,3 +131,93 @@ def test_lockstep_every_rank_runs_the_same_number_of_forwards(two_ranks):
     assert [two_ranks[r]["redealt"]["report"]["exchanged"] for r in (0, 1)] == [3, 2]
     assert [two_ranks[r]["partial"]["report"]["recomputed"] for r in (0, 1)] == [0, 2]
     assert plugin.UID_KEY  # the module under test is the plugin
+
+
+# ---- ring attention: each rank computes the statistics on its slice of the packed rows ----------------------
+
+
+class _PositionalLogits(torch.nn.Module):
+    """A model whose logits at a position depend only on that position's token and position id, so that a
+    rank holding a slice of the packed sequence computes exactly what one process holding all of it would
+    (ring attention's contract), without ring_flash_attn."""
+
+    def __init__(self, vocab, max_pos):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.tok = torch.nn.Parameter(3 * torch.randn(vocab, vocab, generator=g))
+        self.pos = torch.nn.Parameter(torch.randn(max_pos, vocab, generator=g))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
+        return {"logits": self.tok[input_ids] + self.pos[position_ids]}
+
+
+def _flash_all_gather(input_, group):
+    """flash_attn.utils.distributed.all_gather: concatenation of every rank's tensor along the first dim."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(input_) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, input_.contiguous(), group=group)
+    return torch.cat(parts, 0)
+
+
+def _ring_worker(rank, world, port, out_dir):
+    import einops
+    import test_openrlhf_stash as stash_tests
+    import torch.distributed as dist
+    from openrlhf.models import Actor, ring_attn_utils
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(ring_attn_utils, "unpad_input", stash_tests._unpad_input)
+        mp.setattr(ring_attn_utils, "pad_input", stash_tests._pad_input)
+        mp.setattr(ring_attn_utils, "index_first_axis", lambda x, idx: x[idx])
+        mp.setattr(ring_attn_utils, "rearrange", einops.rearrange)
+        mp.setattr(ring_attn_utils, "all_gather", _flash_all_gather)
+        mp.setattr(ring_attn_utils, "update_ring_attn_params", lambda cu_seqlens: None)
+        base._settings_env(mp, "stare", target_entropy=100.0)
+        exp = stash_tests._left_padded(base._experience(base._model()))
+        args = base._args()
+        args.ds.packing_samples = True
+        trainer = base._install(base._trainer(mp, base._model(), args))
+        model = _PositionalLogits(base.V, 64)
+        trainer.actor = Actor(model, temperature=0.7)
+        trainer.actor.packing_samples = True  # (set by Actor only when it loads the model itself)
+        trainer.strategy.ring_attn_group = dist.group.WORLD
+        assert int(exp.attention_mask.sum()) % world != 0  # the ring pads the packed sequence
+        lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+        rows = {}
+        for b in range(base.B):
+            key, _ = plugin._sample_key(exp.sequences[b], exp.attention_mask[b])
+            _, ent, phi = trainer._stare_stash[key]
+            rows[b] = (ent.tolist(), phi.tolist())
+        torch.save({"lp": lp, "rows": rows}, os.path.join(out_dir, f"ring{rank}.pt"))
+        dist.barrier()
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
+
+
+def test_ring_attention_slices_are_gathered_like_openrlhfs_log_probs(tmp_path):
+    import test_openrlhf_stash as stash_tests
+
+    torch.multiprocessing.spawn(_ring_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"ring{r}.pt") for r in range(2)]
+    # the reference: one process, no packing, the same position ids; logits / temperature, brute force
+    exp = stash_tests._left_padded(base._experience(base._model()))
+    attn = exp.attention_mask
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = _PositionalLogits(base.V, 64)(exp.sequences, position_ids=pos)["logits"] / 0.7
+    h, la, phi = stash_tests._stats_from_rows(logits[:, :-1][:, -base.RESP:], exp.sequences[:, 1:][:, -base.RESP:])
+    mask = exp.action_mask
+    for r in range(2):
+        assert torch.allclose(got[r]["lp"].double() * mask, la * mask, atol=1e-5)  # OpenRLHF's own unpacking
+        for b in range(base.B):
+            n = int(mask[b].sum())
+            ent_b, phi_b = got[r]["rows"][b]
+            assert torch.allclose(torch.tensor(ent_b, dtype=torch.float64), h[b, :n], atol=1e-5), (r, b)
+            assert torch.allclose(torch.tensor(phi_b, dtype=torch.float64), phi[b, :n], atol=1e-5), (r, b)

@@ -43,7 +43,11 @@ check_openrlhf_version()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from openrlhf.models import PolicyLoss  # noqa: E402
-from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor  # noqa: E402
+from openrlhf.models.ring_attn_utils import (  # noqa: E402
+    gather_and_pad_tensor,
+    get_tensor_in_current_ring_attn_rank,
+    unpad_and_slice_tensor,
+)
 from openrlhf.trainer.ppo_utils.experience import make_experience_batch  # noqa: E402
 from openrlhf.trainer.ray import ppo_actor as _ppo_actor  # noqa: E402
 
@@ -188,12 +192,15 @@ class StareActorTrainer(ActorPPOTrainer):
         grid = torch.zeros(batch, seqlen, dtype=torch.long, device=sequences.device)
         grid[:, seqlen - 1 - width: seqlen - 1] = action_mask.long()
         if self.actor.packing_samples:
-            rows, _, _, pad_len, indices = unpad_and_slice_tensor(grid, attention_mask, ring)
-            _, _, actions, _, _ = unpad_and_slice_tensor(sequences, attention_mask, ring)
+            # the same packing (and ring slice) as the model's input: one call, as Actor.forward made it
+            _, _, actions, pad_len, indices = unpad_and_slice_tensor(sequences, attention_mask, ring)
+            rows = grid.reshape(-1)[indices].view(1, -1)
+            if ring is not None:
+                rows, _ = get_tensor_in_current_ring_attn_rank(rows, ring, 0)
         else:
             rows, actions = grid, torch.roll(sequences, shifts=-1, dims=1)
         vocab = logits.shape[-1]
-        flat = logits.view(-1, vocab)  # the model's own [*, V] output: contiguous
+        flat = logits.reshape(-1, vocab)  # the model's own [*, V] output: contiguous, so a view
         rows, actions = rows.reshape(-1).bool(), actions.reshape(-1)
         ent = torch.zeros(rows.shape[0], dtype=torch.float32, device=logits.device)
         phi = torch.zeros_like(ent) if need_phi else None
@@ -233,7 +240,6 @@ class StareActorTrainer(ActorPPOTrainer):
             n = max(0, width - right_pad)
             self._stare_stash[key] = (self._stare_version, ent[b, :n].clone(),
                                       None if phi is None else phi[b, :n].clone())
-        self.stare_stash_report["stashed"] += sequences.shape[0]
         return log_probs
 
     def _stare_step_stats(self, items) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -249,7 +255,7 @@ class StareActorTrainer(ActorPPOTrainer):
             hit = self._stare_stash.get(key)
             if hit is not None and hit[0] == self._stare_version and (hit[2] is not None or not need_phi):
                 out[i] = self._stare_fit(hit[1], hit[2], item, device)
-        report = {"stashed": self.stare_stash_report["stashed"], "exchanged": 0, "recomputed": 0}
+        report = {"stashed": len(self._stare_stash), "exchanged": 0, "recomputed": 0}
         missing = [i for i, r in enumerate(out) if r is None]
         # one small all-reduce decides, on every rank alike, whether any rank misses a sample
         any_missing = self._stare_all_reduce(torch.tensor([len(missing)], device=device),
