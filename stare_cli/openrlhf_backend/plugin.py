@@ -9,12 +9,15 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
   built the model, optimizer and trainer, it turns the trainer into a ``StareActorTrainer`` and the trainer's
   parsed ``PolicyLoss`` into a ``StarePolicyLoss`` (same settings: clip low/high, dual clip, token-level
   loss, GSPO, importance-sampling correction), and loads the controller's state when resuming.
-- ``StareActorTrainer.ppo_train`` runs once per RL step over the step's whole replay buffer *before* any
-  update: one no-grad forward of the (still old) policy gives each response token's entropy and Phi in
-  chunks (``stare.algorithms.entropy_sensitivity``; never OpenRLHF's full-vocabulary entropy with
-  gradient), the controller is updated once from the batch entropy all-reduced over the data-parallel group
-  (so every rank takes the same decision), and ``stare_token_weights`` selects tokens over the whole step's
-  batch from the old log-probs (exact across ranks via its distributed selection). Then OpenRLHF's own
+- ``StarePolicyModelActor.forward`` is OpenRLHF's old-log-prob forward; from the same logits it computes each
+  response token's entropy (and Phi when needed) on the action rows only (``stare.algorithms.
+  entropy_sensitivity``, chunked; never OpenRLHF's full-vocabulary entropy) and stashes them per sample, keyed
+  by a hash of the sample's unpadded token ids and mask. ``StareActorTrainer.ppo_train`` runs once per RL step
+  over the step's whole replay buffer *before* any update: it looks the rows up (fetching rows other
+  data-parallel ranks stashed; an extra no-grad forward only for samples found nowhere, in lockstep), the
+  controller is updated once from the batch entropy all-reduced over the data-parallel group (so every rank
+  takes the same decision), and ``stare_token_weights`` selects tokens over the whole step's batch from the
+  old log-probs (exact across ranks via its distributed selection). Then OpenRLHF's own
   ``ppo_train`` runs; ``training_step`` looks up each micro-batch's weights by a per-sample id carried in
   ``experience.info`` and hands them to the loss. With ``scope: micro_batch`` the weights are instead chosen
   inside each micro-batch (the reference implementation's rule).
