@@ -6,6 +6,7 @@ test_openrlhf_plugin.py). The references are computed here by brute force from t
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -260,3 +261,23 @@ def test_sample_key_matches_what_the_replay_buffer_keeps():
         keys.add(key)
     assert len(keys) == B
     assert isinstance(items[0], Experience)
+
+
+def test_the_policy_actors_forward_returns_openrlhfs_and_stashes(monkeypatch):
+    """``StarePolicyModelActor.forward`` (what the driver's experience maker calls through Ray) against the
+    class it overrides, on the same inputs."""
+    exp = base._experience(base._model())
+    base._settings_env(monkeypatch, "stare", target_entropy=100.0)
+    trainer = base._install(base._trainer(monkeypatch, base._model(), base._args()))
+    host = object.__new__(plugin.StarePolicyModelActor)  # no Ray: the plain class behind the remote one
+    host.actor, host.trainer, host.strategy = trainer.actor, trainer, trainer.strategy
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    ours = host.forward(exp.sequences, exp.action_mask, exp.attention_mask)
+    assert host.actor.training  # reset to training mode, as OpenRLHF's forward does
+    own = plugin._BasePolicyActor.forward(host, exp.sequences, exp.action_mask, exp.attention_mask)
+    assert torch.equal(ours, own) and ours.device.type == "cpu"
+    assert len(trainer._stare_stash) == B
+    # a trainer that is not STARE's: OpenRLHF's forward unchanged
+    plain = object.__new__(plugin.StarePolicyModelActor)
+    plain.actor, plain.trainer, plain.strategy = trainer.actor, SimpleNamespace(), trainer.strategy
+    assert torch.equal(plain.forward(exp.sequences, exp.action_mask, exp.attention_mask), own)
