@@ -15,7 +15,7 @@ Each variant has its own model (same seed) and the learning rate is 0, so every 
 weights and the gate stays on. Repeats are interleaved; medians. Targets (idle 2-core machine):
 grpo <= 1.03, stare <= 1.05, stare-phi <= 1.10 times OpenRLHF's own step.
 
-    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1] [--quick]
+    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1] [--clock wall|cpu] [--quick]
 
 The last line is one JSON object ``{"grpo": r, "stare": r, "stare-phi": r}`` of the ratios to OpenRLHF's own.
 """
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import time
 import json
 import os
 import sys
@@ -47,6 +49,8 @@ parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (d
 parser.add_argument("--response-len", type=int, default=48, help="longest response (default 48)")
 parser.add_argument("--micro-batch", type=int, default=4, help="train and rollout micro-batch (default 4)")
 parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall (default) or this process's CPU time (less disturbed by other load; 1 thread)")
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
 args = parser.parse_args()
 if args.quick:
@@ -217,10 +221,22 @@ steps, statuses = {}, {}
 for v in VARIANTS:
     steps[v], statuses[v] = make_step(v, rollouts)
 load = BackgroundLoad()
-times = interleaved_times(steps, repeats=args.repeats, warmup=args.warmup)
+if args.clock == "wall":
+    times = interleaved_times(steps, repeats=args.repeats, warmup=args.warmup)
+else:  # the same interleaving as _timing.interleaved_times, on the process's CPU clock
+    for _ in range(args.warmup):
+        for v in VARIANTS:
+            steps[v]()
+    times = {v: [] for v in VARIANTS}
+    for i in range(args.repeats):
+        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+            gc.collect()
+            t0 = time.process_time()
+            steps[v]()
+            times[v].append(time.process_time() - t0)
 
 size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
-        f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s)")
+        f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock")
 print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
 print(f"{'variant':<10} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
 base = median(times["openrlhf"])

@@ -281,3 +281,30 @@ def test_the_policy_actors_forward_returns_openrlhfs_and_stashes(monkeypatch):
     plain = object.__new__(plugin.StarePolicyModelActor)
     plain.actor, plain.trainer, plain.strategy = trainer.actor, SimpleNamespace(), trainer.strategy
     assert torch.equal(plain.forward(exp.sequences, exp.action_mask, exp.attention_mask), own)
+
+
+def test_micro_batch_scope_without_phi_selects_the_same_tokens(monkeypatch):
+    """scope micro_batch with telemetry that keeps no Phi (O1 needs none): the same weights as with full."""
+    exp = base._experience(base._model())
+    seen = {}
+    real_forward = plugin.StarePolicyLoss.forward
+    for mode in ("full", "entropy"):
+        base._settings_env(monkeypatch, "stare", target_entropy=100.0, scope="micro_batch", telemetry=mode)
+        trainer = base._install(base._trainer(monkeypatch, base._model(), base._args(), gas=B // 2))
+        e = _old_experience(trainer, exp)
+        trainer.replay_buffer.append(e)
+        got = seen.setdefault(mode, [])
+
+        def spy(self, log_probs, old_log_probs, advantages, action_mask=None, *a, _got=got, **k):
+            _got.append((old_log_probs.sum().item(), self.token_weights.clone()))
+            return real_forward(self, log_probs, old_log_probs, advantages, action_mask, *a, **k)
+
+        monkeypatch.setattr(plugin.StarePolicyLoss, "forward", spy)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        torch.manual_seed(0)  # the same shuffle of micro-batches
+        trainer.ppo_train(0.0)
+    assert len(seen["full"]) == len(seen["entropy"]) == B // 2
+    by_batch = {mode: sorted(seen[mode], key=lambda t: t[0]) for mode in seen}
+    for (ka, wa), (kb, wb) in zip(by_batch["full"], by_batch["entropy"]):
+        assert ka == kb and torch.equal(wa, wb)
+    assert any((w != 1.0).any() for _, w in seen["full"])

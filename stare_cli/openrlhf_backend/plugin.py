@@ -468,7 +468,8 @@ class StareActorTrainer(ActorPPOTrainer):
                 return None
             return _pad_rows([r.to(device) for r in rows], width, 1.0)
         # the reference's rule: select inside this micro-batch only
-        phi = _pad_rows([self._stare_rows[u][1].to(device) for u in uids], width, 0.0)
+        phi_rows = [self._stare_rows[u][1] for u in uids]  # None: Phi was not needed (telemetry, selection)
+        phi = None if any(r is None for r in phi_rows) else _pad_rows([r.to(device) for r in phi_rows], width, 0.0)
         weights = stare_token_weights(experience.action_log_probs.detach().float(),
                                       experience.advantages.float(), experience.action_mask, phi=phi,
                                       **self.stare_cfg.selection_kwargs(), **state.weight_kwargs())
