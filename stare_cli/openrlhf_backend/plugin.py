@@ -326,9 +326,9 @@ class StareActorTrainer(ActorPPOTrainer):
         nothing to compute while others do runs padding passes on ``spare`` (any of its buffer items)."""
         groups: list[list[int]] = []
         if self.args.train.dynamic_batch_enable:
-            # Token-budget groups, by length so padding stays small. The logits come back padded to
-            # [B, T_max, V] next to the packed copy, so each group's B x T_max is held to half the budget:
-            # the peak then stays near that of OpenRLHF's own packed forward at the full budget.
+            # Token-budget groups, by length so padding stays small; each group's padded B x T_max is held to
+            # half the budget, so its logits (padded when not packing) stay within what OpenRLHF's own forward
+            # holds at the full budget.
             budget = max(1, int(self.args.train.max_tokens_per_gpu) // 2)
             longest = 0
             for i in sorted(range(len(items)), key=lambda j: int(items[j].sequences.shape[0])):
