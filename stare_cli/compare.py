@@ -83,8 +83,8 @@ def compare(paths: list[Path], out: Path) -> list[dict]:
         summaries = [_read_summary(e) for e in sorted(root.glob("eval-*")) if (e / "summary.json").is_file()]
         rows.append({"run": str(d), "algorithm": run.algo,
                      "model": (run.config.get("settings") or {}).get("model"),
-                     "final_entropy": _mean(_values(_tail(run.metrics, FINAL_PCT), "entropy")),
-                     "band_share": band_share(_band(run), _values(late, "entropy")),
+                     "final_entropy": _mean(_values(_tail(run.metrics, FINAL_PCT), "stare/entropy")),
+                     "band_share": band_share(_band(run), _values(late, "stare/entropy")),
                      "response_length": _mean(_values(late, "response_length")),
                      "benches": _bench_cells(summaries)})
     for e in eval_dirs:

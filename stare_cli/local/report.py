@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from stare.algorithms import upgrade_metric_names
+
 # Windows over the end of a run, in percent of its recorded steps (at least one step each).
 FINAL_PCT = 10  # final reward
 LATE_PCT = 25  # late-run entropy and band share
@@ -85,7 +87,7 @@ def load_run(path) -> Run:
             raise ValueError(f"{metrics_path} line {lineno} is not valid JSON: {exc}") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
             raise ValueError(f"{metrics_path} line {lineno} is malformed: expected a JSON object with an integer step")
-        metrics.append(rec)
+        metrics.append(upgrade_metric_names(rec))  # runs written before the stare/* names read the same
     if not metrics:
         raise ValueError(f"{metrics_path} holds no steps")
     metrics.sort(key=lambda r: r["step"])
@@ -163,8 +165,8 @@ def run_measures(run: Run) -> dict:
     """The per-run numbers of the comparison (see the module docstring for the windows)."""
     m = run.metrics
     late = _tail(m, LATE_PCT)
-    start = _num(m[0].get("entropy"))
-    late_h = _values(late, "entropy")
+    start = _num(m[0].get("stare/entropy"))
+    late_h = _values(late, "stare/entropy")
     late_mean = _mean(late_h)
     band = _band(run)
     k = run.eval["k"] if run.eval else None
@@ -451,7 +453,7 @@ def _smoothed(run: Run, key: str) -> dict[int, float]:
     return out
 
 
-CURVES = (("entropy", "mean token entropy", "entropy.png"),
+CURVES = (("stare/entropy", "mean token entropy", "entropy.png"),
           ("reward_mean", "mean reward", "reward.png"),
           ("response_length", "mean response length (tokens)", "response_length.png"))
 
@@ -481,7 +483,7 @@ def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
         fig = Figure(figsize=(7, 4), dpi=110)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        if key == "entropy" and band:
+        if key == "stare/entropy" and band:
             ax.axhspan(band[0], band[1], color="0.5", alpha=0.15, lw=0,
                        label=f"target band [{band[0]:.2f}, {band[1]:.2f}]")
         drawn = False
