@@ -12,13 +12,14 @@ from .entropy import (EntropyStats, entropy_forecast_sums, entropy_sensitivity, 
 from .loss import AGGREGATIONS, policy_loss
 from .registry import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
 from .selection import kth_largest, reweight_stats, reweight_sums, stare_token_weights, top_count
-from .step import LEGACY_NAMES, METRIC_NAMES, METRICS, StepMemory, StepResult, batch_mean, stare_step, upgrade_metric_names
+from .step import (LEGACY_NAMES, METRIC_NAMES, METRICS, StepMemory, StepResult, batch_mean, metrics_markdown, stare_step,
+                   upgrade_metric_names)
 
 __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "LEGACY_NAMES", "METRICS", "METRIC_NAMES", "SETTING_NAMES", "AlgoConfig",
     "BandGate", "ControllerState", "EntropyStats", "PaperGate", "StepMemory", "StepResult", "batch_mean",
     "check_finite", "entropy_forecast_sums", "entropy_sensitivity", "get_algorithm", "group_advantages",
-    "informative_groups", "kth_largest", "masked_mean", "overlong_penalty", "policy_loss",
+    "informative_groups", "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss",
     "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "reweight_stats", "reweight_sums",
     "stare_step", "stare_token_weights", "top_count", "upgrade_metric_names",
 ]

@@ -20,7 +20,8 @@ Every share is a numerator and a denominator summed over ranks, then divided (in
 so one process gives exactly ``masked_mean`` / ``quadrant_stats`` / ``reweight_stats`` and R ranks give the
 same numbers as one process holding all their tokens (up to float32 summation order).
 
-``METRICS`` is the canonical list of the telemetry names with their meanings; both engines log these names
+``METRICS`` is the canonical list of the telemetry names with their meanings (``metrics_markdown`` renders it as
+a table); both engines log these names
 (OpenRLHF as ``train/<name>``, the local engine in ``metrics.jsonl``). ``LEGACY_NAMES`` maps the names older
 local runs wrote (``entropy``, ``quadrant/*``, ...) to these; ``upgrade_metric_names`` applies it to a record.
 
@@ -67,8 +68,8 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("stare/negative_reweight_ratio", "share of the A < 0 response tokens whose weight is not 1"),
     ("stare/mean_weight", "mean weight over the response tokens (1 with the gate off or for a baseline)"),
     ("stare/boosted_raise_share", "of the A > 0 tokens with weight > 1, the share with Phi > 0 (absent when none)"),
-    ("stare/micro_batch_mean_weight", "OpenRLHF plugin, scope micro_batch: mean weight of one micro-batch, as "
-     "OpenRLHF averages its per-micro-batch status"),
+    ("stare/micro_batch_mean_weight", "OpenRLHF plugin, scope micro_batch only: each micro-batch's mean weight, "
+     "averaged over the micro-batches by OpenRLHF's status reduction (weighted by their tokens)"),
     # the four quadrants (advantage sign x surprisal above / not above the position's entropy)
     ("stare/pos_low_share", "share of the A != 0 tokens with A > 0 and surprisal <= entropy (push entropy down)"),
     ("stare/pos_high_share", "share of the A != 0 tokens with A > 0 and surprisal > entropy"),
@@ -90,6 +91,12 @@ LEGACY_NAMES: dict[str, str] = {
     **{f"quadrant/{q}_{kind}": f"stare/{q}_{kind}"
        for q in ("pos_low", "pos_high", "neg_low", "neg_high") for kind in ("share", "contrib")},
 }
+
+
+def metrics_markdown() -> str:
+    """``METRICS`` as a markdown table (name, meaning), for documentation generated from, or checked against, it."""
+    rows = [f"| `{name}` | {meaning} |" for name, meaning in METRICS]
+    return "\n".join(["| name | meaning |", "|---|---|", *rows]) + "\n"
 
 
 def upgrade_metric_names(record: dict) -> dict:

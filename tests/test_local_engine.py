@@ -99,9 +99,9 @@ def test_short_stare_run_end_to_end(tmp_path):
     arms = ["grpo", "dapo", "stare", "stare-phi"]
     rows = list(csv.DictReader((out / "comparison.csv").open()))
     assert [r["arm"] for r in rows if r["arm"] != "warmstart"] == arms
-    base = {"step", "reward_mean", "entropy", "response_length", "clip_frac_low", "clip_frac_high",
-            "entropy_forecast", "entropy_change", "quadrant/pos_low_share", "quadrant/pos_high_share",
-            "quadrant/neg_low_share", "quadrant/neg_high_share"}
+    base = {"step", "reward_mean", "stare/entropy", "response_length", "clip_frac_low", "clip_frac_high",
+            "stare/entropy_forecast", "stare/entropy_change_same_batch", "stare/pos_low_share",
+            "stare/pos_high_share", "stare/neg_low_share", "stare/neg_high_share", "stare/tokens"}
     stare_keys = {"stare/gate_on", "stare/w", "stare/m", "stare/positive_reweight_ratio",
                   "stare/negative_reweight_ratio"}
     for arm in arms:
@@ -110,6 +110,7 @@ def test_short_stare_run_end_to_end(tmp_path):
         assert len(read_metrics(run_dir)) == 6 and metrics
         for r in metrics:
             assert base <= set(r), base - set(r)
+            assert ("stare/entropy_change" in r) == (r["step"] > 1)  # against the previous step's entropy
             if arm.startswith("stare"):
                 assert stare_keys <= set(r), stare_keys - set(r)
         ev = json.loads((run_dir / "eval.json").read_text())

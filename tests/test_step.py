@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from stare.algorithms import (
     batch_mean,
     get_algorithm,
     masked_mean,
+    metrics_markdown,
     stare_step,
     upgrade_metric_names,
 )
@@ -259,6 +262,18 @@ def test_old_metric_names_read_as_the_new_ones(tmp_path):
     loaded = load_run(run)
     assert [r["stare/entropy"] for r in loaded.metrics] == [0.8, 0.6] and "entropy" not in loaded.metrics[0]
     assert run_measures(loaded)["start_entropy"] == 0.8
+
+
+def test_every_telemetry_name_the_readme_lists_is_a_metric():
+    """The README's plugin telemetry list names only keys of METRICS (one list, documented once)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("- Telemetry under `train/stare/`")
+    paragraph = readme[start:readme.index("\n- ", start + 1)]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph))
+    assert {"entropy", "gate_on", "entropy_change", "entropy_change_same_batch"} <= named
+    assert {f"stare/{n}" for n in named} <= set(METRIC_NAMES), {f"stare/{n}" for n in named} - set(METRIC_NAMES)
+    table = metrics_markdown().splitlines()
+    assert len(table) == 2 + len(METRIC_NAMES) and all(f"`{n}`" in "\n".join(table) for n in METRIC_NAMES)
 
 
 def test_batch_mean_is_masked_mean():
