@@ -228,6 +228,24 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values.to(torch.float32) * m).sum() / m.sum().clamp(min=1.0)
 
 
+def entropy_forecast_sums(
+    phi: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of w A Phi over the response tokens, number of response tokens)``, 0-dim float32 tensors.
+
+    ``predicted_entropy_change`` is their quotient; summing both over data-parallel ranks before dividing gives
+    the exact forecast over all ranks' tokens. ``phi`` and ``mask``: ``[B, T]``; ``advantages``: ``[B, T]`` or
+    per-sequence ``[B]``; ``weights``: ``[B, T]`` or None (all 1).
+    """
+    advantages = broadcast_advantages(advantages, phi)
+    check_same_shape("phi", phi, mask=mask, weights=weights)
+    contrib = advantages.to(torch.float32) * phi.to(torch.float32)
+    if weights is not None:
+        contrib = contrib * weights.to(torch.float32)
+    m = mask.to(torch.float32)
+    return (contrib * m).sum(), m.sum()
+
+
 def predicted_entropy_change(
     phi: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -237,15 +255,45 @@ def predicted_entropy_change(
     (scaled by its STARE weight when given). It ignores clipping and the coupling between positions through
     shared parameters, so it forecasts direction and relative size, not the exact change.
     """
-    advantages = broadcast_advantages(advantages, phi)
-    check_same_shape("phi", phi, mask=mask, weights=weights)
-    contrib = advantages.to(torch.float32) * phi.to(torch.float32)
-    if weights is not None:
-        contrib = contrib * weights.to(torch.float32)
-    return masked_mean(contrib, mask)
+    total, n_tokens = entropy_forecast_sums(phi, advantages, mask, weights=weights)
+    return total / n_tokens.clamp(min=1.0)
 
 
 QUADRANTS = ("pos_low", "pos_high", "neg_low", "neg_high")
+
+
+def quadrant_sums(
+    surprisal: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    phi: torch.Tensor | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``quadrant_stats`` as (numerator, denominator) pairs of 0-dim float32 tensors, before the division.
+
+    Summing numerators and denominators over data-parallel ranks before dividing gives the exact shares over all
+    ranks' tokens (the denominators: tokens with A != 0 for the shares, response tokens for the contributions).
+    """
+    advantages = broadcast_advantages(advantages, surprisal)
+    check_same_shape("surprisal", surprisal, entropy=entropy, mask=mask, phi=phi)
+    m = mask.bool()
+    high = surprisal > entropy
+    cells = {
+        "pos_low": m & (advantages > 0) & ~high,
+        "pos_high": m & (advantages > 0) & high,
+        "neg_low": m & (advantages < 0) & ~high,
+        "neg_high": m & (advantages < 0) & high,
+    }
+    counts = {k: c.to(torch.float32).sum() for k, c in cells.items()}
+    active = sum(counts.values())
+    out = {f"{k}_share": (counts[k], active) for k in cells}
+    if phi is not None:
+        contrib = advantages.to(torch.float32) * phi.to(torch.float32)
+        n_tokens = m.to(torch.float32).sum()
+        for k, c in cells.items():
+            out[f"{k}_contrib"] = ((contrib * c).sum(), n_tokens)
+    return out
 
 
 def quadrant_stats(
@@ -262,22 +310,7 @@ def quadrant_stats(
     raises it), ``neg_low`` (A < 0, s <= H: raises it), ``neg_high`` (A < 0, s > H: lowers it). Returns
     ``{quadrant}_share`` (share of the response tokens with A != 0) and, with ``phi``, ``{quadrant}_contrib``:
     the quadrant's part of ``predicted_entropy_change`` (they add up to it). All values are 0-dim tensors.
+    Shapes: ``surprisal``, ``entropy``, ``mask``, ``phi`` ``[B, T]``; ``advantages`` ``[B, T]`` or ``[B]``.
     """
-    advantages = broadcast_advantages(advantages, surprisal)
-    check_same_shape("surprisal", surprisal, entropy=entropy, mask=mask, phi=phi)
-    m = mask.bool()
-    high = surprisal > entropy
-    cells = {
-        "pos_low": m & (advantages > 0) & ~high,
-        "pos_high": m & (advantages > 0) & high,
-        "neg_low": m & (advantages < 0) & ~high,
-        "neg_high": m & (advantages < 0) & high,
-    }
-    active = sum(c.to(torch.float32).sum() for c in cells.values()).clamp(min=1.0)
-    out = {f"{k}_share": c.to(torch.float32).sum() / active for k, c in cells.items()}
-    if phi is not None:
-        contrib = advantages.to(torch.float32) * phi.to(torch.float32)
-        n_tokens = m.to(torch.float32).sum().clamp(min=1.0)
-        for k, c in cells.items():
-            out[f"{k}_contrib"] = (contrib * c).sum() / n_tokens
-    return out
+    return {k: num / den.clamp(min=1.0)
+            for k, (num, den) in quadrant_sums(surprisal, entropy, advantages, mask, phi=phi).items()}

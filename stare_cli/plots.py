@@ -34,7 +34,7 @@ def colour(algo: str | None, palette) -> tuple:
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms of one algorithm (other settings) share its colour, not its line style
 
-CURVES = (("entropy", "mean token entropy", "entropy.png"),
+CURVES = (("stare/entropy", "mean token entropy", "entropy.png"),
           ("reward_mean", "mean reward", "reward.png"),
           ("response_length", "mean response length (tokens)", "response_length.png"))
 
@@ -72,7 +72,7 @@ def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
         fig = Figure(figsize=(7, 4), dpi=110)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        if key == "entropy" and band:
+        if key == "stare/entropy" and band:
             ax.axhspan(band[0], band[1], color="0.5", alpha=0.15, lw=0,
                        label=f"target band [{band[0]:.2f}, {band[1]:.2f}]")
         for name, group, (col, style) in arms:

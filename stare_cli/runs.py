@@ -24,6 +24,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stare.algorithms import upgrade_metric_names
+
 from .presets import read_config
 
 # Windows over the end of a run, in percent of its recorded steps (at least one step each).
@@ -105,7 +107,7 @@ def load_run(path) -> Run:
             raise ValueError(f"{metrics_path} line {lineno} is not valid JSON: {exc}") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
             raise ValueError(f"{metrics_path} line {lineno} is malformed: expected a JSON object with an integer step")
-        metrics.append(rec)
+        metrics.append(upgrade_metric_names(rec))  # runs written before the stare/* names read the same
     if not metrics:
         raise ValueError(f"{metrics_path} holds no steps")
     metrics.sort(key=lambda r: r["step"])
@@ -192,8 +194,8 @@ def run_measures(run: Run) -> dict:
     """The per-run numbers of the comparison (see the module docstring for the windows)."""
     m = run.metrics
     late = tail(m, LATE_PCT)
-    start = num(m[0].get("entropy"))
-    late_h = values(late, "entropy")
+    start = num(m[0].get("stare/entropy"))
+    late_h = values(late, "stare/entropy")
     late_mean = mean(late_h)
     band = run_band(run)
     k = run.eval["k"] if run.eval else None

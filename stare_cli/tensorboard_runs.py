@@ -19,7 +19,7 @@ from .presets import read_config
 # metric key (as in a local run's metrics.jsonl) -> TensorBoard tags, in order of preference: the first tag the run
 # logged at all is used for every step (STARE's batch entropy of the old policy before OpenRLHF's entropy_loss).
 TB_TAGS: dict[str, tuple[str, ...]] = {
-    "entropy": ("train/stare/entropy", "train/entropy_loss"),
+    "stare/entropy": ("train/stare/entropy", "train/entropy_loss"),
     "reward_mean": ("train/reward",),
     "response_length": ("train/response_length",),
     "stare/target": ("train/stare/target",),

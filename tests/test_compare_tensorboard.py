@@ -104,7 +104,7 @@ def test_tensorboard_run_records(openrlhf_run):
     (folder,) = event_dirs(openrlhf_run)
     run = load_tb_run(folder)
     assert [r["step"] for r in run.metrics] == list(range(1, STEPS + 1))
-    assert [r["entropy"] for r in run.metrics] == pytest.approx(STARE_H, rel=1e-6)  # step 10: the later write
+    assert [r["stare/entropy"] for r in run.metrics] == pytest.approx(STARE_H, rel=1e-6)  # step 10: the later write
     assert [r["reward_mean"] for r in run.metrics] == pytest.approx(REWARD, rel=1e-6)
     for key, value in (("stare/w", 2.0), ("stare/m", 0.05), ("stare/gate_on", 1.0), ("stare/target", 0.45)):
         assert [r[key] for r in run.metrics] == pytest.approx([value] * STEPS, rel=1e-6)  # stored as float32

@@ -27,7 +27,8 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
   statistics: scaling the advantage is how the weight is applied, without re-implementing OpenRLHF's loss.
   Weights of None (gate off, or a baseline) call OpenRLHF's loss unchanged.
 - Telemetry goes into the status dict ``fit`` returns, which OpenRLHF logs as ``train/<key>`` (W&B,
-  TensorBoard): keys under ``stare/``.
+  TensorBoard): the names of ``stare.algorithms.METRICS``, from ``stare_step``, the block the local engine runs
+  too (all but ``stare/entropy_change_same_batch``, which would cost a second forward over the buffer).
 - The controller's state is written next to OpenRLHF's checkpoints (``<ckpt.path>/stare/<tag>.json``) and
   read back when OpenRLHF resumes from that tag.
 """
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -56,10 +56,11 @@ from openrlhf.trainer.ray import ppo_actor as _ppo_actor  # noqa: E402
 
 from stare.algorithms import (  # noqa: E402
     AlgoConfig,
+    EntropyStats,
+    StepMemory,
     entropy_sensitivity,
-    predicted_entropy_change,
-    quadrant_stats,
     reweight_stats,
+    stare_step,
     stare_token_weights,
 )
 
@@ -383,7 +384,6 @@ class StareActorTrainer(ActorPPOTrainer):
         if not need_ent:  # a baseline with telemetry off: nothing to compute
             return {}
         stats = self._stare_step_stats(items)
-        metrics: dict[str, float] = {}
         if items:
             width = max(it.action_mask.shape[0] for it in items)
             mask = _pad_rows([it.action_mask.to(device) for it in items], width, 0).bool()
@@ -391,68 +391,24 @@ class StareActorTrainer(ActorPPOTrainer):
             adv = _pad_rows([it.advantages.to(device).float() for it in items], width, 0.0)
             ent = _pad_rows([s[0] for s in stats], width, 0.0)
             phi = _pad_rows([s[1] for s in stats], width, 0.0) if need_phi else None
-        else:  # a rank with an empty buffer still joins every collective below
+        else:  # a rank with an empty buffer still joins every collective in stare_step
             mask = torch.zeros(1, 1, dtype=torch.bool, device=device)
             logp = adv = ent = torch.zeros(1, 1, device=device)
             phi = torch.zeros(1, 1, device=device) if need_phi else None
-        maskf = mask.float()
-        sums = self._stare_all_reduce(torch.stack([(ent * maskf).sum(), maskf.sum()]).double())
-        n_tokens = float(sums[1])
-        batch_entropy = float(sums[0] / sums[1]) if n_tokens > 0 else 0.0
-        if not math.isfinite(batch_entropy):
-            raise FloatingPointError(f"the old policy's batch entropy is {batch_entropy} (non-finite logits?)")
-
-        weights = None
-        state = None
-        if self.stare_controller is not None:
-            state = self.stare_controller.update(batch_entropy)
-            self.stare_state = state
-            metrics.update(state.as_metrics("stare/"))
-            if cfg.scope == "global" and state.gate_on and n_tokens > 0:
-                group = self._stare_group()
-                weights = stare_token_weights(logp, adv, mask, phi=phi, group=group,
-                                              **cfg.selection_kwargs(), **state.weight_kwargs())
-        metrics["stare/entropy"] = batch_entropy
-        metrics["stare/tokens"] = n_tokens
-        if cfg.telemetry == "full":
-            metrics.update(self._stare_telemetry(mask, logp, adv, ent, phi, weights))
-        # measured change of the batch entropy since the previous step, beside what that step forecast
-        prev = self.stare_prev
-        if prev["entropy"] is not None:
-            metrics["stare/entropy_change"] = batch_entropy - prev["entropy"]
-            if prev["forecast"] is not None:
-                metrics["stare/entropy_change_forecast"] = prev["forecast"]
-        self.stare_prev = {"entropy": batch_entropy, "forecast": metrics.get("stare/entropy_forecast")}
+        # the shared once-per-step block: batch entropy all-reduced, controller, (global scope) weights exact
+        # across ranks, telemetry; with scope micro_batch the weights are chosen in _stare_batch_weights
+        step = stare_step(self.stare_controller, cfg, logp, adv, mask, EntropyStats(ent, -logp, phi),
+                          memory=StepMemory(**self.stare_prev), group=self._stare_group())
+        self.stare_state = step.state
+        self.stare_prev = step.memory.as_dict()
+        weights = step.weights
 
         keep_phi = cfg.scope == "micro_batch"
         for uid, item in enumerate(items):
             n = item.action_mask.shape[0]
             self._stare_rows[uid] = (weights[uid, :n] if weights is not None else None,
                                      phi[uid, :n] if keep_phi and phi is not None else None)
-        return metrics
-
-    def _stare_telemetry(self, mask, logp, adv, ent, phi, weights) -> dict[str, float]:
-        """Step-level shares and forecasts, exact over all ranks (numerators and counts all-reduced)."""
-        m = mask.float()
-        n_pos, n_neg = (m * (adv > 0)).sum(), (m * (adv < 0)).sum()
-        reweighted = reweight_stats(weights if weights is not None else torch.ones_like(m), adv, mask)
-        quads = quadrant_stats(-logp, ent, adv, mask, phi=phi)
-        active = n_pos + n_neg
-        # (numerator, denominator) pairs: each rank's share times its own denominator, summed over ranks
-        pairs = {
-            "stare/positive_reweight_ratio": (reweighted["positive_reweight_ratio"] * n_pos, n_pos),
-            "stare/negative_reweight_ratio": (reweighted["negative_reweight_ratio"] * n_neg, n_neg),
-            "stare/mean_weight": (reweighted["mean_weight"] * m.sum(), m.sum()),
-            "stare/entropy_forecast": (predicted_entropy_change(phi, adv, mask, weights=weights) * m.sum(), m.sum()),
-            "stare/entropy_forecast_base": (predicted_entropy_change(phi, adv, mask) * m.sum(), m.sum()),
-        }
-        for q in ("pos_low", "pos_high", "neg_low", "neg_high"):
-            pairs[f"stare/{q}_share"] = (quads[f"{q}_share"] * active, active)
-            pairs[f"stare/{q}_contrib"] = (quads[f"{q}_contrib"] * m.sum(), m.sum())
-        keys = list(pairs)
-        flat = torch.stack([torch.stack([pairs[k][0].float(), pairs[k][1].float()]) for k in keys]).double()
-        flat = self._stare_all_reduce(flat)
-        return {k: float(flat[i, 0] / flat[i, 1]) if float(flat[i, 1]) > 0 else 0.0 for i, k in enumerate(keys)}
+        return step.metrics
 
     def _stare_batch_weights(self, experience, uids) -> torch.Tensor | None:
         """This micro-batch's weights [B, A] (None: every weight is 1)."""
