@@ -6,26 +6,147 @@ eta A (e_a - p) and, to first order, the entropy by eta A Phi with
 
     Phi(p, a) = p_a (s_a - H) - sum_j p_j^2 (s_j - H)
 
-(section 2 of docs/stare-algorithm.md). ``entropy_sensitivity`` computes H, s_a and Phi in one pass over
-the logits, ``chunk_size`` rows at a time, in float32, without gradient: the extra memory is a few
-chunk x V buffers, never N x V.
+(section 1 of docs/algorithm.md). ``entropy_sensitivity`` computes H, s_a and Phi in one pass over
+the logits, in float32, without gradient, with one of two kernels:
+
+- ``torch``: ``chunk_size`` rows at a time; the extra memory is a few chunk x V float32 buffers, never N x V.
+- ``triton`` (``_entropy_triton``, CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``): one fused pass
+  per row with a streaming (online max) softmax; the only extra memory is the three [N] outputs.
+
+Both read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
+dimensions are merged where that is a view and walked in row blocks otherwise, so the logits are never copied
+whole.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+import math
+from typing import Iterator, NamedTuple
 
 import torch
 
-from ._checks import broadcast_advantages, check_range, check_same_shape
+from ._checks import broadcast_advantages, check_choice, check_range, check_same_shape
 
 # Default chunk: about 4M logits (16 MB per float32 buffer) whatever the vocabulary size.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
+KERNELS = ("auto", "torch", "triton")
 
 
 class EntropyStats(NamedTuple):
     entropy: torch.Tensor  # H per position, float32
     surprisal: torch.Tensor  # s_a = -log p_a of the given action, float32
     phi: torch.Tensor  # first-order entropy sensitivity, float32
+
+
+def _merge_leading(x: torch.Tensor) -> torch.Tensor:
+    """The same elements of ``x`` [..., V] as a view with as few leading dimensions as the strides allow (>= 1).
+
+    Size-1 dimensions are dropped and neighbours (a, b) merged when stride_a == size_b * stride_b, so a
+    contiguous tensor becomes [N, V] and ``full[:, :-1][:, -w:]`` of a contiguous [B, T, V] stays [B, w, V].
+    """
+    sizes, strides = [], []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == size * stride:
+            sizes[-1] *= size
+            strides[-1] = stride
+        else:
+            sizes.append(size)
+            strides.append(stride)
+    if not sizes:
+        sizes, strides = [1], [0]
+    if math.prod(sizes) == 0:
+        sizes, strides = [0], [0]
+    return x.as_strided(sizes + [x.shape[-1]], strides + [x.stride(-1)], x.storage_offset())
+
+
+def _row_blocks(x: torch.Tensor, max_rows: int, start: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """Views ``[k, m, V]`` of ``x`` [..., V] covering its rows in order, each at most ``max_rows`` rows.
+
+    Yields ``(first_row, block)``: the block's rows (in ``reshape(-1)`` order) are rows
+    ``first_row .. first_row + k m - 1`` of ``x.reshape(-1, V)``. No data is copied.
+    """
+    x = _merge_leading(x)
+    lead = x.shape[:-1]
+    if len(lead) == 1:
+        for s in range(0, lead[0], max_rows):
+            yield start + s, x[s:s + max_rows].unsqueeze(0)
+    elif len(lead) == 2:
+        n_outer, n_inner = lead
+        if n_inner <= max_rows:  # whole inner runs, several at a time
+            step = max_rows // n_inner
+            for i in range(0, n_outer, step):
+                yield start + i * n_inner, x[i:i + step]
+        else:
+            for i in range(n_outer):
+                for s in range(0, n_inner, max_rows):
+                    yield start + i * n_inner + s, x[i, s:s + max_rows].unsqueeze(0)
+    else:
+        inner = math.prod(lead[1:])
+        for i in range(lead[0]):
+            yield from _row_blocks(x[i], max_rows, start + i * inner)
+
+
+def _copy_rows(x: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Copy rows ``lo .. hi - 1`` of ``x.reshape(-1, V)`` into ``out`` [hi - lo, V], straight from ``x``'s views."""
+    x = _merge_leading(x)
+    if x.dim() == 2:
+        out.copy_(x[lo:hi])
+        return
+    inner = math.prod(x.shape[1:-1])
+    i0, i1 = lo // inner, (hi - 1) // inner
+    if i0 == i1:
+        _copy_rows(x[i0], lo - i0 * inner, hi - i0 * inner, out)
+        return
+    head = inner - (lo - i0 * inner)
+    _copy_rows(x[i0], lo - i0 * inner, inner, out[:head])
+    middle = (i1 - i0 - 1) * inner
+    if middle:
+        out[head:head + middle].view(x[i0 + 1:i1].shape).copy_(x[i0 + 1:i1])
+    _copy_rows(x[i1], 0, hi - i1 * inner, out[head + middle:])
+
+
+def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo .. hi - 1`` of ``x.reshape(-1, V)`` as a [hi - lo, V] tensor without copying the rest of ``x``.
+
+    A view when those rows lie evenly spaced in memory (always for a contiguous ``x``; within one sequence
+    of ``full[:, :-1][:, -w:]``); otherwise a copy of these rows only.
+    """
+    x = _merge_leading(x)
+    while x.dim() > 2:
+        inner = math.prod(x.shape[1:-1])
+        i0 = lo // inner
+        if (hi - 1) // inner != i0:
+            out = torch.empty(hi - lo, x.shape[-1], dtype=x.dtype, device=x.device)
+            _copy_rows(x, lo, hi, out)
+            return out
+        x, lo, hi = _merge_leading(x[i0]), lo - i0 * inner, hi - i0 * inner
+    return x[lo:hi]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_kernel(kernel: str, device: torch.device) -> str:
+    check_choice("kernel", kernel, KERNELS)
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if kernel == "triton":
+        if not _triton_available():
+            raise ValueError("kernel='triton' needs the triton package (pip install triton); "
+                             "use kernel='torch' or 'auto'")
+        from . import _entropy_triton
+        if device.type != "cuda" and not _entropy_triton.interpreting():
+            raise ValueError(f"kernel='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 in the "
+                             "environment from the start to run Triton's CPU interpreter; use kernel='torch' or 'auto'")
+    return kernel
 
 
 @torch.no_grad()
@@ -35,11 +156,15 @@ def entropy_sensitivity(
     *,
     chunk_size: int | None = None,
     temperature: float = 1.0,
+    kernel: str = "auto",
 ) -> EntropyStats:
     """Per-position entropy, the action's surprisal and Phi for logits ``[..., V]`` and actions ``[...]``.
 
-    ``temperature`` divides the logits first (the gate wants the entropy at the sampling temperature).
-    ``chunk_size`` rows are processed at a time (default: about 4M logits per chunk).
+    ``logits`` may be any strided view (it is never copied whole) in any float dtype; the outputs are float32
+    ``[...]``. ``temperature`` divides the logits first (the gate wants the entropy at the sampling
+    temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 4M logits per
+    chunk), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA
+    when it imports, else torch). No host synchronisation on either path.
     """
     if logits.dim() < 1 or tuple(actions.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
@@ -48,11 +173,13 @@ def entropy_sensitivity(
         )
     if actions.is_floating_point():
         raise ValueError(f"actions must be integer token ids, got dtype {actions.dtype}")
+    if actions.device != logits.device:
+        raise ValueError(f"actions must be on the logits' device: logits {logits.device}, actions {actions.device}")
     check_range("temperature", temperature, 0, None, low_open=True)
+    kernel = _resolve_kernel(kernel, logits.device)
     vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)
-    flat_actions = actions.reshape(-1).to(torch.long)
-    n = flat_logits.shape[0]
+    flat_actions = actions.reshape(-1).to(torch.long)  # [N] ints: small, a copy is fine
+    n = flat_actions.shape[0]
     if chunk_size is None:
         chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
     check_range("chunk_size", chunk_size, 1, None)
@@ -60,27 +187,37 @@ def entropy_sensitivity(
     entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
     surprisal = torch.empty_like(entropy)
     phi = torch.empty_like(entropy)
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        z = flat_logits[start:end].to(torch.float32)
-        if temperature != 1.0:
-            z = z / temperature
-        logp = torch.log_softmax(z, dim=-1)
-        del z
-        p = logp.exp()
-        p_logp = p * logp
-        h = -p_logp.sum(dim=-1)
-        sum_p2 = torch.linalg.vecdot(p, p)
-        sum_p2_logp = torch.linalg.vecdot(p, p_logp)
-        del p_logp
-        logp_a = logp.gather(-1, flat_actions[start:end, None]).squeeze(-1)
-        del logp, p
-        s_a = -logp_a
-        # sum_j p_j^2 (s_j - H) = -sum_j p_j^2 log p_j - H sum_j p_j^2
-        second = -sum_p2_logp - h * sum_p2
-        entropy[start:end] = h
-        surprisal[start:end] = s_a
-        phi[start:end] = logp_a.exp() * (s_a - h) - second
+    if kernel == "triton":
+        from ._entropy_triton import entropy_stats_block
+
+        flat_actions = flat_actions.contiguous()
+        for start, block in _row_blocks(logits, max(n, 1)):
+            end = start + block.shape[0] * block.shape[1]
+            entropy_stats_block(block, flat_actions[start:end], entropy[start:end], surprisal[start:end],
+                                phi[start:end], temperature=temperature)
+    else:
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            # the same [rows, V] float32 chunks as from a contiguous copy of the logits, without that copy
+            z = _rows(logits, start, end).to(torch.float32).contiguous()
+            if temperature != 1.0:
+                z = z / temperature
+            logp = torch.log_softmax(z, dim=-1)
+            del z
+            p = logp.exp()
+            p_logp = p * logp
+            h = -p_logp.sum(dim=-1)
+            sum_p2 = torch.linalg.vecdot(p, p)
+            sum_p2_logp = torch.linalg.vecdot(p, p_logp)
+            del p_logp
+            logp_a = logp.gather(-1, flat_actions[start:end, None]).squeeze(-1)
+            del logp, p
+            s_a = -logp_a
+            # sum_j p_j^2 (s_j - H) = -sum_j p_j^2 log p_j - H sum_j p_j^2
+            second = -sum_p2_logp - h * sum_p2
+            entropy[start:end] = h
+            surprisal[start:end] = s_a
+            phi[start:end] = logp_a.exp() * (s_a - h) - second
     shape = actions.shape
     return EntropyStats(entropy.view(shape), surprisal.view(shape), phi.view(shape))
 
@@ -89,6 +226,24 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over ``mask`` (0-dim tensor; 0 when the mask is empty)."""
     m = mask.to(torch.float32)
     return (values.to(torch.float32) * m).sum() / m.sum().clamp(min=1.0)
+
+
+def entropy_forecast_sums(
+    phi: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of w A Phi over the response tokens, number of response tokens)``, 0-dim float32 tensors.
+
+    ``predicted_entropy_change`` is their quotient; summing both over data-parallel ranks before dividing gives
+    the exact forecast over all ranks' tokens. ``phi`` and ``mask``: ``[B, T]``; ``advantages``: ``[B, T]`` or
+    per-sequence ``[B]``; ``weights``: ``[B, T]`` or None (all 1).
+    """
+    advantages = broadcast_advantages(advantages, phi)
+    check_same_shape("phi", phi, mask=mask, weights=weights)
+    contrib = advantages.to(torch.float32) * phi.to(torch.float32)
+    if weights is not None:
+        contrib = contrib * weights.to(torch.float32)
+    m = mask.to(torch.float32)
+    return (contrib * m).sum(), m.sum()
 
 
 def predicted_entropy_change(
@@ -100,15 +255,45 @@ def predicted_entropy_change(
     (scaled by its STARE weight when given). It ignores clipping and the coupling between positions through
     shared parameters, so it forecasts direction and relative size, not the exact change.
     """
-    advantages = broadcast_advantages(advantages, phi)
-    check_same_shape("phi", phi, mask=mask, weights=weights)
-    contrib = advantages.to(torch.float32) * phi.to(torch.float32)
-    if weights is not None:
-        contrib = contrib * weights.to(torch.float32)
-    return masked_mean(contrib, mask)
+    total, n_tokens = entropy_forecast_sums(phi, advantages, mask, weights=weights)
+    return total / n_tokens.clamp(min=1.0)
 
 
 QUADRANTS = ("pos_low", "pos_high", "neg_low", "neg_high")
+
+
+def quadrant_sums(
+    surprisal: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    phi: torch.Tensor | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``quadrant_stats`` as (numerator, denominator) pairs of 0-dim float32 tensors, before the division.
+
+    Summing numerators and denominators over data-parallel ranks before dividing gives the exact shares over all
+    ranks' tokens (the denominators: tokens with A != 0 for the shares, response tokens for the contributions).
+    """
+    advantages = broadcast_advantages(advantages, surprisal)
+    check_same_shape("surprisal", surprisal, entropy=entropy, mask=mask, phi=phi)
+    m = mask.bool()
+    high = surprisal > entropy
+    cells = {
+        "pos_low": m & (advantages > 0) & ~high,
+        "pos_high": m & (advantages > 0) & high,
+        "neg_low": m & (advantages < 0) & ~high,
+        "neg_high": m & (advantages < 0) & high,
+    }
+    counts = {k: c.to(torch.float32).sum() for k, c in cells.items()}
+    active = sum(counts.values())
+    out = {f"{k}_share": (counts[k], active) for k in cells}
+    if phi is not None:
+        contrib = advantages.to(torch.float32) * phi.to(torch.float32)
+        n_tokens = m.to(torch.float32).sum()
+        for k, c in cells.items():
+            out[f"{k}_contrib"] = ((contrib * c).sum(), n_tokens)
+    return out
 
 
 def quadrant_stats(
@@ -125,22 +310,7 @@ def quadrant_stats(
     raises it), ``neg_low`` (A < 0, s <= H: raises it), ``neg_high`` (A < 0, s > H: lowers it). Returns
     ``{quadrant}_share`` (share of the response tokens with A != 0) and, with ``phi``, ``{quadrant}_contrib``:
     the quadrant's part of ``predicted_entropy_change`` (they add up to it). All values are 0-dim tensors.
+    Shapes: ``surprisal``, ``entropy``, ``mask``, ``phi`` ``[B, T]``; ``advantages`` ``[B, T]`` or ``[B]``.
     """
-    advantages = broadcast_advantages(advantages, surprisal)
-    check_same_shape("surprisal", surprisal, entropy=entropy, mask=mask, phi=phi)
-    m = mask.bool()
-    high = surprisal > entropy
-    cells = {
-        "pos_low": m & (advantages > 0) & ~high,
-        "pos_high": m & (advantages > 0) & high,
-        "neg_low": m & (advantages < 0) & ~high,
-        "neg_high": m & (advantages < 0) & high,
-    }
-    active = sum(c.to(torch.float32).sum() for c in cells.values()).clamp(min=1.0)
-    out = {f"{k}_share": c.to(torch.float32).sum() / active for k, c in cells.items()}
-    if phi is not None:
-        contrib = advantages.to(torch.float32) * phi.to(torch.float32)
-        n_tokens = m.to(torch.float32).sum().clamp(min=1.0)
-        for k, c in cells.items():
-            out[f"{k}_contrib"] = (contrib * c).sum() / n_tokens
-    return out
+    return {k: num / den.clamp(min=1.0)
+            for k, (num, den) in quadrant_sums(surprisal, entropy, advantages, mask, phi=phi).items()}

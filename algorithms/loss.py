@@ -1,6 +1,6 @@
 """The clipped policy-gradient surrogate with per-token weights and layout-independent aggregation.
 
-One token's loss (section 1 of docs/stare-algorithm.md):
+One token's loss (section 2 of docs/algorithm.md):
 
     rho    = exp(clamp(logp - old_logp, -20, 20))
     loss_t = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))

@@ -14,6 +14,10 @@ from .selection import SELECTIONS, VARIANTS
 
 CONTROLLERS = ("paper", "band")
 SCOPES = ("global", "micro_batch")
+# What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
+# no Phi unless the selection needs it), off (nothing beyond what the algorithm needs: a baseline computes no
+# statistics at all, STARE still the gate's entropy).
+TELEMETRY = ("full", "entropy", "off")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class AlgoConfig:
     band_target: float | None = None
     gain: float = 1.0
     two_sided: bool = False
+    telemetry: str = "full"  # one of TELEMETRY (baselines too)
 
     def validate(self) -> "AlgoConfig":
         check_range("clip_low", self.clip_low, 0, 1, high_open=True)
@@ -67,6 +72,7 @@ class AlgoConfig:
         check_choice("variant", self.variant, VARIANTS)
         check_choice("scope", self.scope, SCOPES)
         check_choice("controller", self.controller, CONTROLLERS)
+        check_choice("telemetry", self.telemetry, TELEMETRY)
         check_range("top_ratio", self.top_ratio, 0, 1)
         check_range("damp", self.damp, 0, None, low_open=True)
         if self.phi_cap is not None:

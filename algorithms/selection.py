@@ -9,7 +9,7 @@ The paper's rule (``selection="quantile"``), over the response tokens passed in 
 "Top k" is a threshold: the k-th largest surprisal in the set, every token at or above it selected (exact
 ties at the threshold are all selected, so the choice never depends on token order or layout).
 
-The exact rule (``selection="phi"``, section 6 of docs/stare-algorithm.md) selects by the sign of the
+The exact rule (``selection="phi"``, section 3 of docs/algorithm.md) selects by the sign of the
 first-order entropy sensitivity instead: L+ = A > 0 and Phi > 0 (they raise entropy), L- = A < 0 and
 Phi > 0 (they lower it), optionally capped to the top ``phi_cap`` share by Phi; ``damp`` weights the
 entropy-lowering majority (A > 0, Phi < 0). ``direction=-1`` mirrors everything (the ranking key is
@@ -86,7 +86,7 @@ def kth_largest(values: torch.Tensor, k: int, group=None) -> float:
         total = int(counts[-1])
         if not 1 <= remaining <= total:
             raise ValueError(f"k must be in [1, {total}] over the group, got {k}")
-        j = int(torch.searchsorted(counts, torch.tensor(remaining, dtype=counts.dtype)))
+        j = int(torch.searchsorted(counts, torch.tensor(remaining, dtype=counts.dtype, device=counts.device)))
         digit = 255 - j
         above = int(counts[j - 1]) if j > 0 else 0
         remaining -= above
@@ -245,22 +245,29 @@ def stare_token_weights(
 
 
 
-def reweight_stats(weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Telemetry of a weight tensor: share of A > 0 (A < 0) tokens whose weight is not 1, and the mean weight.
+def reweight_sums(weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``reweight_stats`` as (numerator, denominator) pairs of 0-dim float32 tensors, before the division.
 
-    Keys match the reference's logs: ``positive_reweight_ratio``, ``negative_reweight_ratio``, ``mean_weight``.
+    Summing both over data-parallel ranks before dividing gives the exact shares over all ranks' tokens.
     """
     advantages = broadcast_advantages(advantages, weights)
     valid = mask.bool()
     changed = weights != 1.0
     pos = valid & (advantages > 0)
     neg = valid & (advantages < 0)
-
-    def share(sel: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
-        return (sel & of).to(torch.float32).sum() / of.to(torch.float32).sum().clamp(min=1.0)
-
     return {
-        "positive_reweight_ratio": share(changed, pos),
-        "negative_reweight_ratio": share(changed, neg),
-        "mean_weight": (weights.to(torch.float32) * valid).sum() / valid.to(torch.float32).sum().clamp(min=1.0),
+        "positive_reweight_ratio": ((changed & pos).to(torch.float32).sum(), pos.to(torch.float32).sum()),
+        "negative_reweight_ratio": ((changed & neg).to(torch.float32).sum(), neg.to(torch.float32).sum()),
+        "mean_weight": ((weights.to(torch.float32) * valid).sum(), valid.to(torch.float32).sum()),
     }
+
+
+def reweight_stats(weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Telemetry of a weight tensor: share of A > 0 (A < 0) tokens whose weight is not 1, and the mean weight.
+
+    Keys match the reference's logs: ``positive_reweight_ratio``, ``negative_reweight_ratio``, ``mean_weight``.
+    Shapes: ``weights``, ``mask`` ``[B, T]``; ``advantages`` ``[B, T]`` or ``[B]``. Values: 0-dim tensors (0 over
+    an empty set).
+    """
+    return {k: num / den.clamp(min=1.0) for k, (num, den) in reweight_sums(weights, advantages, mask).items()}

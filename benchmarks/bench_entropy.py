@@ -11,6 +11,13 @@ positions and Qwen's vocabulary V = 151936.
 - Time: the two variants' repeats are interleaved in this process after a warm-up; medians.
 - Agreement: the max abs difference of each output between the two is printed.
 
+With ``--kernel triton`` or ``both`` (CUDA only) a ``triton`` row adds the fused Triton kernel
+(``entropy_sensitivity(..., kernel="triton")``: one read of each logits row, no [N, V] temporary): its extra
+memory, its agreement with the naive computation, and its time, also measured with CUDA events over
+back-to-back calls (launch overhead amortised) and printed as effective read bandwidth. Target for it: <= 1.0 ms
+at 8192 x 151,936 bf16 on one H200 (reading the logits once at the HBM bandwidth takes about 0.58 ms); the
+verdict is printed only at that size.
+
 A third row, ``full-grad``, is the entropy path OpenRLHF 0.11.2 takes in training when ``--actor.entropy_coef``
 is set: full-vocabulary float32 softmax entropy inside the autograd graph (what the STARE plugin avoids). It is
 reported beside the others, without a target.
@@ -18,6 +25,9 @@ reported beside the others, without a target.
 Targets: chunked extra memory <= 0.2 x naive extra memory; chunked time <= 1.2 x naive time.
 
     python benchmarks/bench_entropy.py [--repeats 5] [--mem-repeats 3] [--device cpu|cuda] [--dtype fp32|bf16]
+                                       [--kernel torch|triton|both]
+    # the fused kernel's target: 8192 rows of Qwen's vocabulary, bf16, torch and triton side by side
+    python benchmarks/bench_entropy.py --device cuda --n 8192 --dtype bf16 --kernel both
     # the GPU check at real size: 8 x 4096 tokens, Qwen's vocabulary, bf16 logits
     python benchmarks/bench_entropy.py --device cuda --n 32768 --dtype bf16
 """
@@ -37,6 +47,8 @@ from _timing import BackgroundLoad, interleaved_times, median, print_result, syn
 
 MEMORY_TARGET = 0.2
 TIME_TARGET = 1.2
+TRITON_TARGET_MS = 1.0  # at TRITON_TARGET_SIZE on one H200
+TRITON_TARGET_SIZE = {"n": 8192, "vocab": 151936, "dtype": "bf16"}
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--repeats", type=int, default=5, help="timed samples per variant (default 5)")
@@ -45,8 +57,13 @@ parser.add_argument("--n", type=int, default=1024, help="positions (rows of logi
 parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
 parser.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per variant for memory (default 3)")
 parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the logits (default fp32)")
-parser.add_argument("--worker", choices=["chunked", "naive", "full-grad"], help=argparse.SUPPRESS)
+parser.add_argument("--kernel", choices=["torch", "triton", "both"], default="torch",
+                    help="entropy_sensitivity kernel(s) to measure: torch (chunked, default), triton (fused, CUDA) or both")
+parser.add_argument("--worker", choices=["chunked", "triton", "naive", "full-grad"], help=argparse.SUPPRESS)
 args = parser.parse_args()
+if args.kernel != "torch" and args.device.split(":")[0] != "cuda":
+    parser.exit(2, f"bench_entropy.py: error: --kernel {args.kernel} needs --device cuda (the Triton kernel runs "
+                   "on CUDA; valid on CPU: --kernel torch)\n")
 
 from stare.algorithms import entropy_sensitivity  # noqa: E402
 
@@ -87,7 +104,11 @@ def naive(logits: torch.Tensor, actions: torch.Tensor):
 
 
 def chunked(logits: torch.Tensor, actions: torch.Tensor):
-    return tuple(entropy_sensitivity(logits, actions))
+    return tuple(entropy_sensitivity(logits, actions, kernel="torch"))
+
+
+def fused(logits: torch.Tensor, actions: torch.Tensor):
+    return tuple(entropy_sensitivity(logits, actions, kernel="triton"))
 
 
 def full_grad(logits: torch.Tensor, actions: torch.Tensor):
@@ -98,7 +119,8 @@ def full_grad(logits: torch.Tensor, actions: torch.Tensor):
     return (torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1),)
 
 
-VARIANTS = {"chunked": chunked, "naive": naive, "full-grad": full_grad}
+VARIANTS = {"chunked": chunked, "triton": fused, "naive": naive, "full-grad": full_grad}
+measured = (["chunked"] if args.kernel in ("torch", "both") else []) + (["triton"] if args.kernel != "torch" else [])
 
 
 def current_rss_bytes() -> int:
@@ -113,6 +135,8 @@ def peak_rss_bytes() -> int:
 # ---- worker: one variant, once, in a fresh process; prints its extra peak memory as JSON ----------------
 if args.worker:
     logits, actions = make_inputs(args.n, args.vocab, device)
+    if args.worker == "triton":  # the first call autotunes (Triton's benchmarking allocates a cache-flush buffer)
+        VARIANTS["triton"](logits, actions)
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -138,7 +162,7 @@ if args.worker:
 # ---- parent: memory via fresh workers, then agreement and interleaved timing here ------------------------
 def measure_memory(variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--device", args.device,
-           "--n", str(args.n), "--vocab", str(args.vocab), "--dtype", args.dtype]
+           "--n", str(args.n), "--vocab", str(args.vocab), "--dtype", args.dtype, "--kernel", args.kernel]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"memory worker {variant!r} failed (exit {proc.returncode}):\n{proc.stderr}")
@@ -150,54 +174,108 @@ load = BackgroundLoad()
 # glibc's malloc may keep freed chunk buffers in its heap instead of returning them to the OS (its mmap
 # threshold adapts at run time), so the same computation can show different peak RSS from one process to
 # the next (65 or ~150 MiB for the chunked one here): run several fresh workers per variant, keep the worst.
-runs = {"chunked": [], "naive": [], "full-grad": []}
+runs = {variant: [] for variant in measured + ["naive", "full-grad"]}
 for _ in range(args.mem_repeats):
     for variant in runs:
         runs[variant].append(measure_memory(variant))
 memory = {variant: max(rs, key=lambda r: r["extra_bytes"]) for variant, rs in runs.items()}
-mem_ratio = memory["chunked"]["extra_bytes"] / memory["naive"]["extra_bytes"]
+mem_ratio = {v: memory[v]["extra_bytes"] / memory["naive"]["extra_bytes"] for v in measured}
 
 logits, actions = make_inputs(args.n, args.vocab, device)
-diffs = {name: float((a - b).abs().max()) for name, a, b in zip(("entropy", "surprisal", "phi"),
-                                                                chunked(logits, actions), naive(logits, actions))}
+reference = naive(logits, actions)
+diffs = {v: {name: float((a - b).abs().max()) for name, a, b in zip(("entropy", "surprisal", "phi"),
+                                                                    VARIANTS[v](logits, actions), reference)}
+         for v in measured}
+del reference
 
-times = interleaved_times({"chunked": lambda: chunked(logits, actions), "naive": lambda: naive(logits, actions),
-                           "full-grad": lambda: full_grad(logits, actions)},
+times = interleaved_times({v: (lambda f=VARIANTS[v]: f(logits, actions)) for v in measured + ["naive", "full-grad"]},
                           repeats=args.repeats, warmup=1, device=device)
 med = {name: median(ts) for name, ts in times.items()}
-time_ratio = med["chunked"] / med["naive"]
+time_ratio = {v: med[v] / med["naive"] for v in measured}
+
+
+def cuda_event_ms(fn, calls: int = 20) -> float:
+    """Median over ``args.repeats`` samples of CUDA-event time per call, ``calls`` calls back to back per sample."""
+    samples = []
+    for _ in range(args.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        samples.append(start.elapsed_time(end) / calls)
+    return median(samples)
+
+
+triton_ms = cuda_event_ms(lambda: fused(logits, actions)) if "triton" in measured else None
+at_target_size = {"n": args.n, "vocab": args.vocab, "dtype": args.dtype} == TRITON_TARGET_SIZE
+logit_bytes = logits.numel() * logits.element_size()
 
 mib = 2 ** 20
-print(f"entropy_sensitivity (chunked, default chunk) vs naive full [N, V] float32, N={args.n}, V={args.vocab} "
-      f"{args.dtype} (logits {logits.numel() * logits.element_size() / mib:.0f} MiB), device={device}, torch {torch.__version__}, "
-      f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-print(f"  max abs diff chunked vs naive: entropy {diffs['entropy']:.3g}, surprisal {diffs['surprisal']:.3g}, "
-      f"phi {diffs['phi']:.3g}")
+print(f"entropy_sensitivity ({' and '.join(measured)}) vs naive full [N, V] float32, N={args.n}, V={args.vocab} "
+      f"{args.dtype} (logits {logit_bytes / mib:.0f} MiB), device={device}, torch {torch.__version__}, "
+      f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+      + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""))
+for v in measured:
+    d = diffs[v]
+    print(f"  max abs diff {v} vs naive: entropy {d['entropy']:.3g}, surprisal {d['surprisal']:.3g}, phi {d['phi']:.3g}")
 how = ("max_memory_allocated - memory_allocated before" if device.type == "cuda"
        else "peak RSS (ru_maxrss) - RSS after the inputs")
 print(f"  extra peak memory, worst of {args.mem_repeats} fresh processes each, {how}:")
-for variant in ("chunked", "naive", "full-grad"):
+for variant in runs:
     all_runs = ", ".join(f"{r['extra_bytes'] / mib:.1f}" for r in runs[variant])
     print(f"  {variant + ':':8s} {memory[variant]['extra_bytes'] / mib:9.1f} MiB  (runs: {all_runs}){memory[variant]['note']}")
-print(f"  memory ratio chunked/naive = {mem_ratio:.3f}   target <= {MEMORY_TARGET:.2f}   {verdict(mem_ratio, MEMORY_TARGET)}")
+for v in measured:
+    print(f"  memory ratio {v}/naive = {mem_ratio[v]:.3f}   target <= {MEMORY_TARGET:.2f}   "
+          f"{verdict(mem_ratio[v], MEMORY_TARGET)}")
 print(f"  {args.repeats} interleaved samples; medians:")
-print(f"  chunked: {med['chunked'] * 1e3:9.1f} ms")
-print(f"  naive:   {med['naive'] * 1e3:9.1f} ms")
+for v in measured + ["naive"]:
+    print(f"  {v + ':':8s} {med[v] * 1e3:9.1f} ms")
 print(f"  full-grad (OpenRLHF's entropy path): {med['full-grad'] * 1e3:.1f} ms, "
-      f"{memory['full-grad']['extra_bytes'] / mib:.1f} MiB extra; chunked/full-grad: time "
-      f"{med['chunked'] / med['full-grad']:.3f}, memory {memory['chunked']['extra_bytes'] / memory['full-grad']['extra_bytes']:.3f}")
-print(f"  time ratio chunked/naive = {time_ratio:.3f}   target <= {TIME_TARGET:.2f}   {verdict(time_ratio, TIME_TARGET)}")
+      f"{memory['full-grad']['extra_bytes'] / mib:.1f} MiB extra; " + "; ".join(
+          f"{v}/full-grad: time {med[v] / med['full-grad']:.3f}, memory "
+          f"{memory[v]['extra_bytes'] / memory['full-grad']['extra_bytes']:.3f}" for v in measured))
+for v in measured:
+    print(f"  time ratio {v}/naive = {time_ratio[v]:.3f}   target <= {TIME_TARGET:.2f}   {verdict(time_ratio[v], TIME_TARGET)}")
+triton_pass = None
+if triton_ms is not None:
+    line = (f"  triton, CUDA events, 20 calls back to back, median of {args.repeats}: {triton_ms:.3f} ms per call "
+            f"= {logit_bytes / (triton_ms * 1e-3) / 1e9:.0f} GB/s of logits read")
+    if at_target_size:
+        triton_pass = triton_ms <= TRITON_TARGET_MS
+        line += (f"   target <= {TRITON_TARGET_MS:.1f} ms (one H200)   "
+                 f"{'PASS' if triton_pass else 'FAIL'}")
+    else:
+        line += "   (the 1.0 ms target is set at --n 8192 --vocab 151936 --dtype bf16)"
+    print(line)
+elif args.kernel == "torch" and device.type == "cuda":
+    print("  (the fused Triton kernel: add --kernel both)")
 print(load.line())
-print_result({
+result = {
     "background_load_cores": load.cores(),
     "bench": "entropy", "device": str(device), "n": args.n, "vocab": args.vocab, "repeats": args.repeats,
-    "max_abs_diff": diffs,
-    "chunked_extra_mib": memory["chunked"]["extra_bytes"] / mib, "naive_extra_mib": memory["naive"]["extra_bytes"] / mib,
-    "chunked_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["chunked"]],
-    "naive_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["naive"]],
-    "memory_ratio": mem_ratio, "memory_target": MEMORY_TARGET, "memory_pass": mem_ratio <= MEMORY_TARGET,
-    "chunked_ms": med["chunked"] * 1e3, "naive_ms": med["naive"] * 1e3, "dtype": args.dtype,
+    "dtype": args.dtype, "kernel": args.kernel, "naive_extra_mib": memory["naive"]["extra_bytes"] / mib,
+    "naive_extra_mib_runs": [r["extra_bytes"] / mib for r in runs["naive"]], "naive_ms": med["naive"] * 1e3,
     "full_grad_ms": med["full-grad"] * 1e3, "full_grad_extra_mib": memory["full-grad"]["extra_bytes"] / mib,
-    "time_ratio": time_ratio, "time_target": TIME_TARGET, "time_pass": time_ratio <= TIME_TARGET,
-    "pass": mem_ratio <= MEMORY_TARGET and time_ratio <= TIME_TARGET,
-})
+    "memory_target": MEMORY_TARGET, "time_target": TIME_TARGET,
+}
+verdicts = []
+for v in measured:
+    prefix = "" if v == "chunked" else "triton_"  # the chunked path keeps its original field names
+    result.update({
+        f"{prefix}max_abs_diff": diffs[v],
+        f"{v}_extra_mib": memory[v]["extra_bytes"] / mib,
+        f"{v}_extra_mib_runs": [r["extra_bytes"] / mib for r in runs[v]],
+        f"{prefix}memory_ratio": mem_ratio[v], f"{prefix}memory_pass": mem_ratio[v] <= MEMORY_TARGET,
+        f"{v}_ms": med[v] * 1e3,
+        f"{prefix}time_ratio": time_ratio[v], f"{prefix}time_pass": time_ratio[v] <= TIME_TARGET,
+    })
+    verdicts += [mem_ratio[v] <= MEMORY_TARGET, time_ratio[v] <= TIME_TARGET]
+if triton_ms is not None:
+    result.update({"triton_event_ms": triton_ms, "triton_gbps": logit_bytes / (triton_ms * 1e-3) / 1e9,
+                   "triton_target_ms": TRITON_TARGET_MS, "triton_target_pass": triton_pass})
+    if triton_pass is not None:
+        verdicts.append(triton_pass)
+result["pass"] = all(verdicts)
+print_result(result)

@@ -13,12 +13,14 @@ from .metrics import (
     pass_at_k,
     pass_at_k_mean,
     per_problem_accuracy,
+    permutation_test,
     reflection_rate,
 )
-from .scoring import extract_boxed, is_correct, score_many, shutdown
+from .scoring import ScoringError, check_many, extract_boxed, is_correct, score_many, shutdown
 
 __all__ = [
     "BENCHES", "Problem", "avg_at_k", "bootstrap_ci", "count_reflections", "load_bench", "maj_at_k",
-    "majority_votes", "pass_at_k", "pass_at_k_mean", "per_problem_accuracy", "reflection_rate", "repair_escapes",
-    "extract_boxed", "is_correct", "score_many", "shutdown",
+    "majority_votes", "pass_at_k", "pass_at_k_mean", "per_problem_accuracy", "permutation_test",
+    "reflection_rate", "repair_escapes", "extract_boxed", "is_correct", "score_many", "shutdown", "ScoringError",
+    "check_many",
 ]

@@ -1,8 +1,11 @@
-"""Benchmark problems (AIME 2024/2025, AMC 2023, MATH-500): local JSONL/parquet files or the Hugging Face hub.
+"""Benchmark problems (AIME 2024/2025, AMC 2023, MATH-500): packaged copies, local JSONL/parquet files or the hub.
 
 ``load_bench(name)`` looks, in order, at ``data_file=`` (a JSONL or parquet file with ``problem`` and ``answer``
-fields, ``id`` optional), at ``$STARE_DATA_DIR/<name>.jsonl`` (or ``.parquet``), and finally at the hub copies
-listed in ``BENCHES`` (first that loads wins). Every problem comes back as a ``Problem`` with string fields.
+fields, ``id`` optional; ``"hub"`` means the Hugging Face hub), at ``$STARE_DATA_DIR/<name>.jsonl`` (or
+``.parquet``; ``STARE_DATA_DIR=hub`` also means the hub), at the copy shipped with the package
+(``stare/eval/data_files/<name>.jsonl``: AIME 2024 and 2025, sources and licences in ``SOURCES.txt`` there), and
+finally at the hub copies listed in ``BENCHES`` (first that loads wins). Every problem comes back as a ``Problem``
+with string fields. Nothing but the hub reaches the network; with ``HF_HUB_OFFLINE=1`` it reads only the cache.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA_DIR_ENV = "STARE_DATA_DIR"
+HUB = "hub"  # as data_file= / --data-file or as $STARE_DATA_DIR: read the Hugging Face hub
+PACKAGED_DIR = Path(__file__).resolve().with_name("data_files")  # the shipped copies (package data)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ def _answer_str(value) -> str:
     return str(value).strip()
 
 
+answer_str = _answer_str  # public name: a dataset answer (int, float, text) as the string the checker compares
+
+
 def _to_problems(rows, where: str, *, problem_field: str = "problem", answer_field: str = "answer",
                  id_field: str | None = "id", line_numbers: list[int] | None = None) -> list[Problem]:
     """Rows (dicts) -> Problems; ``where`` names the file or repo in error messages."""
@@ -157,7 +165,8 @@ def _load_hub(spec: BenchSpec) -> list[Problem]:
         return _to_problems(list(ds), f"{src.repo}[{src.split}]", problem_field=src.problem_field,
                             answer_field=src.answer_field, id_field=src.id_field)
     raise ValueError(f"could not load {spec.name!r} from the Hugging Face hub ({'; '.join(errors)}); "
-                     f"pass data_file= or set {DATA_DIR_ENV} to a folder with {spec.name}.jsonl")
+                     f"pass --data-file FILE (data_file= in Python) or set {DATA_DIR_ENV} to a folder with "
+                     f"{spec.name}.jsonl")
 
 
 def load_bench(name: str, *, data_file: str | os.PathLike | None = None, limit: int | None = None) -> list[Problem]:
@@ -171,16 +180,29 @@ def load_bench(name: str, *, data_file: str | os.PathLike | None = None, limit: 
     return problems[:limit] if limit is not None else problems
 
 
+def _is_hub(value) -> bool:
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value) == HUB
+
+
+def packaged_data_file(name: str) -> Path | None:
+    """The copy of ``name`` shipped with the package, or None when there is none (AMC 2023, MATH-500)."""
+    path = PACKAGED_DIR / f"{name}.jsonl"
+    return path if path.is_file() else None
+
+
 def local_data_file(name: str, data_file: str | os.PathLike | None = None) -> Path | None:
     """The local file ``load_bench`` reads for ``name`` (``data_file``, else ``$STARE_DATA_DIR/<name>.jsonl`` or
-    ``.parquet``), or None when the problems come from the hub."""
+    ``.parquet``, else the packaged copy), or None when the problems come from the hub (``data_file="hub"``,
+    ``STARE_DATA_DIR=hub``, or no local copy at all)."""
     if data_file is not None:
-        return Path(data_file)
-    if os.environ.get(DATA_DIR_ENV):
-        folder = Path(os.environ[DATA_DIR_ENV])
-        candidates = [folder / f"{name}.jsonl", folder / f"{name}.parquet"]
+        return None if _is_hub(data_file) else Path(data_file)
+    folder = os.environ.get(DATA_DIR_ENV)
+    if folder:
+        if folder == HUB:
+            return None
+        candidates = [Path(folder) / f"{name}.jsonl", Path(folder) / f"{name}.parquet"]
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:
             raise ValueError(f"{DATA_DIR_ENV}={folder} has no {name}.jsonl or {name}.parquet")
         return found
-    return None
+    return packaged_data_file(name)

@@ -1,26 +1,37 @@
 """The benchmark harness behind ``stare eval``: prompts, sampling, scoring, streaming, resume, summaries.
 
-One problem at a time: its k samples are generated in one call (seeded from ``seed`` and the problem's
-position, so a redone problem gives the same samples), scored with math-verify, and appended to
-``samples.jsonl`` before the next problem starts. ``--resume`` keeps every problem whose k samples are all
+One problem at a time: its k samples are generated in one call (seeded from ``seed``, the problem's position
+and k, see ``problem_seed``, so a redone problem gives the same samples), scored with math-verify, and appended
+to ``samples.jsonl`` before the next problem starts. ``--resume`` keeps every problem whose k samples are all
 on disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the
 problem in flight and ends with the same numbers.
 
 Backends share one interface (``name``, ``prompt_text(problem, instruction)``, ``generate(prompt, n, proto, seed)``
 -> ``[(text, num_tokens)] * n``): ``HFBackend`` (transformers ``generate``, CPU or one GPU) and ``VLLMBackend``
 (vLLM, ``--tp`` GPUs); both build the prompt with ``chat_prompt`` and count tokens without the stopping EOS.
+The two real backends also return a third item per sample, ``{"truncated": bool}`` (cut by ``max_tokens`` or by
+the model's context), and raise ``PromptTooLong`` for a prompt that leaves no room in the model's context
+(``context_length``; ``prompt_tokens(prompt)`` counts a prompt's tokens): the harness records that problem as not
+attempted and goes on.
+
+Seeds: sample j of the problem at position i draws from seed ``problem_seed(seed, i, k) + j``; no two samples of
+a run share one (see ``problem_seed``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, replace
+import sys
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .data import Problem
-from .metrics import bootstrap_ci, maj_at_k, majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
-from .scoring import extract_boxed, score_many
+from .metrics import majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
+from .scoring import extract_boxed, score_many, warn_if_all_empty
+from .summary import core_summary, write_summary
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -45,6 +56,18 @@ PROTOCOLS = {
 }
 
 
+# vLLM 0.29.0 (vllm/sampling_params.py, SamplingParams.__post_init__): a temperature in (0, 1e-2) is raised to
+# 1e-2, then one below _SAMPLING_EPS = 1e-5 (so only 0) means greedy decoding, and _verify_greedy_sampling refuses
+# n > 1 for it; _verify_args refuses a temperature outside [0, 2]. transformers' generate refuses
+# num_return_sequences > 1 without sampling. Both backends follow vLLM's rules.
+MAX_TEMPERATURE = 2.0
+
+
+def is_greedy(proto: Protocol) -> bool:
+    """Greedy decoding (one answer per prompt): temperature 0, as vLLM decides it (any temperature > 0 samples)."""
+    return proto.temperature == 0
+
+
 def resolve_protocol(name: str, **overrides) -> Protocol:
     if name not in PROTOCOLS:
         raise ValueError(f"unknown protocol {name!r}; valid protocols: {', '.join(PROTOCOLS)}")
@@ -54,11 +77,73 @@ def resolve_protocol(name: str, **overrides) -> Protocol:
         raise ValueError(f"k must be >= 1, got {proto.k}")
     if not 0 < proto.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {proto.top_p}")
-    if proto.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {proto.temperature}")
+    if not (math.isfinite(proto.temperature) and 0 <= proto.temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE:g}], got {proto.temperature}")
+    if is_greedy(proto) and proto.k > 1:
+        raise ValueError(f"--temperature {proto.temperature} is greedy decoding, which gives one sample per "
+                         f"problem, but --k is {proto.k}: use --k 1 (or a temperature > 0)")
     if proto.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {proto.max_tokens}")
     return proto
+
+
+SEED_BLOCK = 2**32  # the sample seeds of one run lie in one block of this size
+
+
+def problem_seed(seed: int, index: int, k: int) -> int:
+    """The seed of sample 0 of the problem at position ``index`` (of the bench's problem list); its sample j draws
+    from ``problem_seed(seed, index, k) + j``.
+
+    vLLM 0.29.0 turns a request's seed into per-sample seeds ``seed + j`` for its n samples
+    (vllm/v1/engine/parallel_sampling.py, ``ParentRequest._get_child_sampling_params``; with n = 1 the request's
+    seed is used as it is, vllm/v1/engine/llm_engine.py ``add_request``). With ``index * k`` as the offset of a
+    problem, sample j of problem i gets offset ``i * k + j``: each of [0, n_problems * k) exactly once, so no two
+    samples of a run share a seed, whatever k. ``--seed`` picks the block ``(seed mod 2**31) * 2**32``: different
+    seeds below 2**31 never overlap, and every seed is below 2**63 (torch generators take up to 2**64 - 1). The
+    HF backend draws a problem's k samples together from one generator seeded with the same value (sample 0's
+    seed), so no two problems share a generator there either. Depends only on (seed, index, k): ``--resume`` and
+    a re-run redo a problem with the same seeds.
+    """
+    if index < 0 or k < 1 or (index + 1) * k > SEED_BLOCK:
+        raise ValueError(f"problem index {index} with k {k} is outside one run's {SEED_BLOCK} sample seeds")
+    return (seed % 2**31) * SEED_BLOCK + index * k
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of tool-loop turn ``turn`` of the sample seeded ``sample_seed``: the sample's own seed for turn 0,
+    then a 63-bit hash of (sample seed, turn) with bit 63 set, so a later turn never takes a sample's seed
+    (those are below 2**63); two later turns share one with chance about 2**-63 per pair."""
+    if turn == 0:
+        return sample_seed
+    digest = hashlib.blake2b(f"{sample_seed}/{turn}".encode(), digest_size=8).digest()
+    return (1 << 63) | (int.from_bytes(digest, "big") >> 1)
+
+
+class PromptTooLong(Exception):
+    """The prompt leaves no room in the model's context (vLLM refuses a prompt of >= max_model_len tokens)."""
+
+    def __init__(self, prompt_tokens: int, context_length: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens and the model's context is {context_length}")
+        self.prompt_tokens, self.context_length = prompt_tokens, context_length
+
+
+def hf_context_length(config, tokenizer) -> int | None:
+    """The model's context for the HF backend, taken as vLLM 0.29.0 derives its default ``max_model_len``
+    (vllm/config/model.py ``_get_and_verify_max_len``): the config's position limit (``max_position_embeddings``,
+    or ``n_positions`` / ``max_sequence_length`` / ``seq_length`` in older configs), capped by the tokenizer's
+    ``model_max_length`` when tokenizer_config.json sets one (transformers' "unset" value is 1e30, ignored).
+    Beyond the config's limit a model's positions are untrained (transformers does not stop there), and the
+    tokenizer's value alone is often absent or a guess. None when neither is known."""
+    found = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            found = value
+            break
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_max, int) and 0 < tok_max < 10**9:
+        found = tok_max if found is None else min(found, tok_max)
+    return found
 
 
 def chat_prompt(tokenizer, problem: str, instruction: str) -> str:
@@ -85,32 +170,44 @@ class HFBackend:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.context_length = hf_context_length(self.model.config, self.tokenizer)
 
     def prompt_text(self, problem: str, instruction: str) -> str:
         return chat_prompt(self.tokenizer, problem, instruction)
 
-    def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int]]:
+    def prompt_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int, dict]]:
         torch = self.torch
         enc = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
+        n_prompt = enc["input_ids"].shape[1]
+        # as vLLM: a prompt must leave room for one token, and prompt + response stop at the context
+        room = proto.max_tokens if self.context_length is None else self.context_length - n_prompt
+        if room < 1:
+            raise PromptTooLong(n_prompt, self.context_length)
+        max_new = min(proto.max_tokens, room)
         torch.manual_seed(seed)
-        sampling = proto.temperature > 0
+        sampling = not is_greedy(proto)
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id
         with torch.no_grad():
             out = self.model.generate(
-                **enc, do_sample=sampling, num_return_sequences=n, max_new_tokens=proto.max_tokens,
+                **enc, do_sample=sampling, num_return_sequences=n, max_new_tokens=max_new,
                 temperature=proto.temperature if sampling else None, top_p=proto.top_p if sampling else None,
                 top_k=0 if sampling else None, pad_token_id=pad)
         results = []
         eos = self.tokenizer.eos_token_id
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        for row in out[:, n_prompt:].tolist():
             ids = []
             for t in row:
                 if t in (eos, pad):  # end of the sample, or the padding generate adds after it
                     break
                 ids.append(t)
-            results.append((self.tokenizer.decode(ids, skip_special_tokens=True), len(ids)))
+            # cut: max_new tokens and no EOS among them (an EOS as the last allowed token is a normal end)
+            truncated = len(ids) == max_new
+            results.append((self.tokenizer.decode(ids, skip_special_tokens=True), len(ids), {"truncated": truncated}))
         return results
 
 
@@ -130,15 +227,26 @@ class VLLMBackend:
         self._sampling_params = SamplingParams
         self.llm = LLM(model=model_path, tensor_parallel_size=tp, seed=seed, **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        # vllm/entrypoints/llm.py: LLM.model_config is the engine's; max_model_len is prompt + response
+        config = getattr(self.llm, "model_config", None) or getattr(getattr(self.llm, "llm_engine", None),
+                                                                    "model_config", None)
+        self.context_length = getattr(config, "max_model_len", None)
 
     def prompt_text(self, problem: str, instruction: str) -> str:
         return chat_prompt(self.tokenizer, problem, instruction)
 
-    def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int]]:
-        sampling = proto.temperature > 0
+    def prompt_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def generate(self, prompt: str, n: int, proto: Protocol, seed: int) -> list[tuple[str, int, dict]]:
+        sampling = not is_greedy(proto)
         params = self._sampling_params(n=n, temperature=proto.temperature, top_p=proto.top_p if sampling else 1.0,
                                        max_tokens=proto.max_tokens, seed=seed)
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # vLLM refuses the whole generate call (VLLMValidationError, not a ValueError) for a prompt of
+        # >= max_model_len tokens (vllm/v1/engine/input_processor.py, _validate_prompt_len): check first
+        if self.context_length is not None and len(ids) >= self.context_length:
+            raise PromptTooLong(len(ids), self.context_length)
         (request,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         outputs = sorted(request.outputs, key=lambda o: getattr(o, "index", 0))
         if len(outputs) != n:
@@ -151,7 +259,9 @@ class VLLMBackend:
             if ids and getattr(o, "finish_reason", None) == "stop" and (
                     ids[-1] == eos or getattr(o, "stop_reason", None) == ids[-1]):
                 ids = ids[:-1]
-            results.append((o.text, len(ids)))
+            # "length": max_tokens reached, or prompt + response reached max_model_len (vllm/v1/core/sched/utils.py,
+            # check_stop)
+            results.append((o.text, len(ids), {"truncated": getattr(o, "finish_reason", None) == "length"}))
         return results
 
 
@@ -197,8 +307,12 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def _versions() -> dict:
+def versions() -> dict:
+    """Versions of the packages an evaluation's numbers depend on (None: not installed)."""
     return {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
+
+
+_versions = versions  # the older private name
 
 
 def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:
@@ -220,14 +334,43 @@ def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:
     return done
 
 
+def _stderr_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_context(problems: list[Problem], backend, proto: Protocol, warn) -> None:
+    """One warning when the protocol's max tokens plus the longest prompt exceed the model's context (responses
+    then stop at the context, and count as truncated). Backends without ``context_length`` are not checked."""
+    context = getattr(backend, "context_length", None)
+    count = getattr(backend, "prompt_tokens", None)
+    if not context or count is None or not problems:
+        return
+    longest, pid = max((count(backend.prompt_text(p.problem, proto.instruction)), p.id) for p in problems)
+    if longest + proto.max_tokens > context:
+        warn(f"protocol {proto.name}: max tokens {proto.max_tokens} plus the longest prompt ({longest} tokens, "
+             f"problem {pid}) exceed the model's context of {context} tokens; responses stop at the context and "
+             f"count as truncated")
+
+
+def not_attempted_records(problem: Problem, k: int, err: PromptTooLong) -> list[dict]:
+    """The k samples of a problem whose prompt does not fit the model's context: empty, scored 0, flagged."""
+    return [{"problem_id": problem.id, "sample_idx": j, "response": "", "extracted": None, "correct": False,
+             "num_tokens": 0, "truncated": False, "not_attempted": True, "prompt_tokens": err.prompt_tokens,
+             "context_length": err.context_length} for j in range(k)]
+
+
 def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, bench: str, model: str, seed: int,
-             resume: bool, progress=None, score_timeout: float = 5.0) -> dict:
+             resume: bool, progress=None, score_timeout: float = 5.0, warn=None) -> dict:
+    """Sample, score and stream every problem (see the module docstring); ``warn(message)`` gets the one-line
+    warnings (a protocol longer than the context, a problem not attempted; default: stderr)."""
+    warn = warn or _stderr_warning
     out.mkdir(parents=True, exist_ok=True)
     samples_path = out / "samples.jsonl"
     done = read_done(samples_path, proto.k) if resume else {}
     if not resume and samples_path.exists():
         samples_path.unlink()
     results: dict[str, list[dict]] = dict(done)
+    check_context([p for p in problems if p.id not in results], backend, proto, warn)
     with open(samples_path, "a") as f:
         for i, p in enumerate(problems):
             if p.id in results:
@@ -235,23 +378,55 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
                     progress(proto.k)
                 continue
             prompt = backend.prompt_text(p.problem, proto.instruction)
-            generated = backend.generate(prompt, proto.k, proto, seed * 1_000_003 + i)
-            # a tool-use backend (stare.cli.agent.multiturn) adds a dict per sample: turns, tool calls, and the
-            # final answer turn, which alone is scored (a boxed value printed by a tool is not the model's answer)
-            extras = [dict(g[2]) if len(g) > 2 else {} for g in generated]
-            scored = [(x.pop("answer_text") or "") if "answer_text" in x else g[0] for g, x in zip(generated, extras)]
-            correct = score_many([(text, p.answer) for text in scored], timeout=score_timeout)
-            recs = [{"problem_id": p.id, "sample_idx": j, "response": g[0], "extracted": extract_boxed(text),
-                     "correct": bool(ok), "num_tokens": g[1], **x}
-                    for j, (g, text, x, ok) in enumerate(zip(generated, scored, extras, correct))]
+            try:
+                generated = backend.generate(prompt, proto.k, proto, problem_seed(seed, i, proto.k))
+            except PromptTooLong as err:
+                warn(f"problem {p.id}: {err}, so it is not attempted (its {proto.k} samples score 0)")
+                recs = not_attempted_records(p, proto.k, err)
+            else:
+                # a tool-use backend (stare.cli.agent.multiturn) adds a dict per sample: turns, tool calls, and the
+                # final answer turn, which alone is scored (a boxed value printed by a tool is not the model's
+                # answer); the HF and vLLM backends add {"truncated": ...}
+                extras = [dict(g[2]) if len(g) > 2 else {} for g in generated]
+                scored = [(x.pop("answer_text") or "") if "answer_text" in x else g[0]
+                          for g, x in zip(generated, extras)]
+                correct = score_many([(text, p.answer) for text in scored], timeout=score_timeout)
+                recs = [{"problem_id": p.id, "sample_idx": j, "response": g[0], "extracted": extract_boxed(text),
+                         "correct": bool(ok), "num_tokens": g[1], **x}
+                        for j, (g, text, x, ok) in enumerate(zip(generated, scored, extras, correct))]
             f.write("".join(json.dumps(r) + "\n" for r in recs))
             f.flush()
             os.fsync(f.fileno())
             results[p.id] = recs
             if progress:
                 progress(proto.k)
+    warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, [])])
     return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out,
                      tools=getattr(backend, "tools_info", None))
+
+
+def attempted(ordered: list[list[dict]]) -> list[dict]:
+    """The samples of the problems that were attempted (their prompt fit the model's context)."""
+    return [r for recs in ordered for r in recs if not r.get("not_attempted")]
+
+
+def outcome_fields(problems, ordered: list[list[dict]]) -> dict:
+    """summary.json's ``truncated`` (share of attempted samples cut by the token limit or the model's context),
+    ``not_attempted`` (problems whose prompt did not fit the context; their samples score 0) and
+    ``not_attempted_ids``. Samples written before these fields existed count as not truncated, attempted."""
+    tried = attempted(ordered)
+    skipped = [p.id for p, recs in zip(problems, ordered) if any(r.get("not_attempted") for r in recs)]
+    return {"truncated": sum(bool(r.get("truncated")) for r in tried) / len(tried) if tried else 0.0,
+            "not_attempted": len(skipped), "not_attempted_ids": skipped}
+
+
+def outcome_md(summary: dict) -> list[tuple[str, str]]:
+    """summary.md's (name, value) rows for ``outcome_fields``."""
+    rows = [("truncated (share of attempted samples)", f"{summary['truncated']:.4f}")]
+    if summary["not_attempted"]:
+        rows.append(("problems not attempted (prompt longer than the context; scored 0)",
+                     f"{summary['not_attempted']} ({', '.join(map(str, summary['not_attempted_ids']))})"))
+    return rows
 
 
 def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path, tools=None) -> dict:
@@ -262,42 +437,28 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
     per_problem = per_problem_accuracy(correct)
     per_pass = [pass_at_k(len(c), sum(c), k) for c in correct]
     per_maj = [float(v) for v in majority_votes(extracted, correct)]
-    responses = [r["response"] for recs in ordered for r in recs]
-    tokens = [r["num_tokens"] for recs in ordered for r in recs]
-    summary = {
-        "bench": bench, "model": model, "backend": backend, "seed": seed, "k": k, "n_problems": len(problems),
-        "avg_at_k": sum(per_problem) / len(per_problem),
-        "pass_at_k": sum(per_pass) / len(per_pass),
-        "maj_at_k": maj_at_k(extracted, correct),
-        "ci95": {"avg_at_k": list(bootstrap_ci(per_problem)), "pass_at_k": list(bootstrap_ci(per_pass)),
-                 "maj_at_k": list(bootstrap_ci(per_maj))},
-        "mean_response_tokens": sum(tokens) / len(tokens),
+    tried = attempted(ordered)  # response statistics: of the samples that were generated
+    responses = [r["response"] for r in tried]
+    tokens = [r["num_tokens"] for r in tried]
+    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, per_problem=per_problem,
+                           per_pass=per_pass, per_maj=per_maj, ids=[p.id for p in problems],
+                           answers=[p.answer for p in problems])
+    summary.update({
+        "mean_response_tokens": sum(tokens) / len(tokens) if tokens else 0.0,
         "reflection_per_1k_tokens": reflection_rate(responses, tokens),
-        "protocol": asdict(proto),
-        "versions": _versions(),
-        "per_problem": [{"id": p.id, "accuracy": acc, "answer": p.answer} for p, acc in zip(problems, per_problem)],
-    }
+        **outcome_fields(problems, ordered),
+        "versions": versions(),
+    })
+    extra_rows = outcome_md(summary)
     if tools is not None:  # --tools: the tool settings and the mean turns / tool calls per sample
         flat = [r for recs in ordered for r in recs]
         summary["tools"] = tools
         summary["mean_turns"] = sum(r.get("turns", 0) for r in flat) / len(flat)
         summary["mean_tool_calls"] = sum(r.get("tool_calls", 0) for r in flat) / len(flat)
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
-    ci = summary["ci95"]
-    md = [f"# {bench}: {model}", "",
-          f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
-          f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems", "",
-          "| metric | value | 95% bootstrap interval |", "|---|---|---|",
-          f"| avg@{k} | {summary['avg_at_k']:.4f} | [{ci['avg_at_k'][0]:.4f}, {ci['avg_at_k'][1]:.4f}] |",
-          f"| pass@{k} | {summary['pass_at_k']:.4f} | [{ci['pass_at_k'][0]:.4f}, {ci['pass_at_k'][1]:.4f}] |",
-          f"| maj@{k} | {summary['maj_at_k']:.4f} | [{ci['maj_at_k'][0]:.4f}, {ci['maj_at_k'][1]:.4f}] |",
-          f"| mean response tokens | {summary['mean_response_tokens']:.1f} | |",
-          f"| reflection words per 1k tokens | {summary['reflection_per_1k_tokens']:.2f} | |",
-          *([f"| mean turns | {summary['mean_turns']:.2f} | |",
-             f"| mean tool calls | {summary['mean_tool_calls']:.2f} | |"] if tools is not None else []),
-          "", "| problem | answer | accuracy |", "|---|---|---|"]
-    md += [f"| {row['id']} | {row['answer']} | {row['accuracy']:.3f} |" for row in summary["per_problem"]]
-    (out / "summary.md").write_text("\n".join(md) + "\n")
+        extra_rows += [("mean turns", f"{summary['mean_turns']:.2f}"),
+                       ("mean tool calls", f"{summary['mean_tool_calls']:.2f}")]
+    write_summary(out, summary, title=f"{bench}: {model}",
+                  setup=f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
+                        f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems",
+                  extra_rows=extra_rows)
     return summary

@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 import yaml
 
-from .harness import Protocol, _versions, package_version
+from .harness import Protocol, package_version
+from .harness import versions as harness_versions
 from .lm_eval_tasks import TASKS, TASKS_DIR
-from .metrics import bootstrap_ci, reflection_rate
+from .metrics import reflection_rate
 from .scoring import extract_boxed
+from .summary import core_summary, write_summary
 
 LM_EVAL_MODELS = {"hf": "hf", "vllm": "vllm"}  # stare's --backend -> lm-eval's model type
 FILTER = "all"  # the filter name in the shipped tasks (keeps all k samples)
@@ -146,42 +147,30 @@ def summarise(results: dict, samples: list[dict], proto: Protocol, *, bench, mod
             tokens.append(n_tok)
     out.mkdir(parents=True, exist_ok=True)
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    versions = _versions()
+    versions = harness_versions()
     versions["lm-eval"] = results.get("lm_eval_version") or package_version("lm-eval")
     counted = None not in tokens and tokens
-    summary = {
-        "bench": bench, "model": model, "harness": "lm-eval", "backend": backend, "seed": seed, "k": proto.k,
-        "n_problems": len(samples), "task": task,
-        "avg_at_k": metrics[f"avg_at_k,{FILTER}"], "pass_at_k": metrics[f"pass_at_k,{FILTER}"],
-        "maj_at_k": metrics[f"maj_at_k,{FILTER}"],
-        "ci95": {"avg_at_k": list(bootstrap_ci(per_problem)), "pass_at_k": list(bootstrap_ci(per_pass)),
-                 "maj_at_k": list(bootstrap_ci(per_maj))},
+    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, per_problem=per_problem,
+                           per_pass=per_pass, per_maj=per_maj, ids=[s["doc"]["id"] for s in samples],
+                           answers=[s["doc"]["answer"] for s in samples],
+                           scores={"avg_at_k": metrics[f"avg_at_k,{FILTER}"],
+                                   "pass_at_k": metrics[f"pass_at_k,{FILTER}"],
+                                   "maj_at_k": metrics[f"maj_at_k,{FILTER}"]})
+    summary.update({
+        "harness": "lm-eval", "task": task,
         # re-tokenised from the response text, so a count can differ from the generated tokens by a token or two
         "mean_response_tokens": sum(tokens) / len(tokens) if counted else None,
         "token_counts": "re-tokenised from the response text" if counted else None,
         "reflection_per_1k_tokens": reflection_rate(responses, tokens) if counted else None,
-        "protocol": asdict(proto), "chat_template": chat_template,
+        "chat_template": chat_template,
         "data": str(Path(data_file).resolve()) if data_file is not None else "hub",
         "versions": versions,
-        "per_problem": [{"id": s["doc"]["id"], "accuracy": acc, "answer": s["doc"]["answer"]}
-                        for s, acc in zip(samples, per_problem)],
-    }
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
+    })
+    write_summary(out, summary, title=f"{bench}: {model} (lm-eval task {task})",
+                  setup=f"protocol {proto.name}: k {proto.k}, temperature {proto.temperature}, top_p {proto.top_p}, "
+                        f"max tokens {proto.max_tokens}; lm-eval {versions['lm-eval']} with the {backend} model; "
+                        f"seed {seed}; {len(samples)} problems")
     slim = {key: value for key, value in results.items() if key not in ("samples", "config")}
     (out / "lm_eval_results.json").write_text(json.dumps(slim, indent=2, default=str))
     (out / "lm_eval_samples.jsonl").write_text("".join(json.dumps(s, default=str) + "\n" for s in samples))
-    ci = summary["ci95"]
-    k = proto.k
-    md = [f"# {bench}: {model} (lm-eval task {task})", "",
-          f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, max tokens "
-          f"{proto.max_tokens}; lm-eval {versions['lm-eval']} with the {backend} model; seed {seed}; "
-          f"{len(samples)} problems", "",
-          "| metric | value | 95% bootstrap interval |", "|---|---|---|"]
-    md += [f"| {label}@{k} | {summary[key]:.4f} | [{ci[key][0]:.4f}, {ci[key][1]:.4f}] |"
-           for label, key in (("avg", "avg_at_k"), ("pass", "pass_at_k"), ("maj", "maj_at_k"))]
-    md += ["", "| problem | answer | accuracy |", "|---|---|---|"]
-    md += [f"| {row['id']} | {row['answer']} | {row['accuracy']:.3f} |" for row in summary["per_problem"]]
-    (out / "summary.md").write_text("\n".join(md) + "\n")
     return summary

@@ -108,6 +108,43 @@ def bootstrap_ci(per_problem: list[float], *, n_boot: int = 2000, alpha: float =
     return lo, hi
 
 
+EXACT_LIMIT = 200_000  # permutation test: enumerate every split up to this many, else sample this many
+
+
+def permutation_test(a: list[float], b: list[float]) -> float:
+    """One-sided permutation p-value for mean(a) > mean(b).
+
+    The share of the ways of splitting a + b into groups of len(a) and len(b) whose first group's sum is at least
+    sum(a) (the observed split counts). Every split is enumerated when there are at most 200000 of them; beyond
+    that 200000 random permutations (fixed seed) give (hits + 1) / (200000 + 1).
+    """
+    import itertools
+    import math
+
+    import numpy as np
+
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if not a or not b:
+        raise ValueError("permutation_test needs at least one value in each group")
+    pool = a + b
+    observed = sum(a)
+    tol = 1e-12 * max(1.0, sum(abs(x) for x in pool))  # equal sums added in another order still count
+    n, na = len(pool), len(a)
+    total = math.comb(n, na)
+    if total <= EXACT_LIMIT:
+        hits = sum(sum(pool[i] for i in idx) >= observed - tol for idx in itertools.combinations(range(n), na))
+        return hits / total
+    rng = np.random.default_rng(0)
+    arr = np.asarray(pool)
+    hits, done = 0, 0
+    while done < EXACT_LIMIT:
+        chunk = min(10_000, EXACT_LIMIT - done)
+        perms = rng.permuted(np.tile(arr, (chunk, 1)), axis=1)
+        hits += int((perms[:, :na].sum(axis=1) >= observed - tol).sum())
+        done += chunk
+    return (hits + 1) / (EXACT_LIMIT + 1)
+
+
 # Reflection words and phrases, matched as whole words, case-insensitively; "-" also matches a space or nothing
 # ("double-check", "double check", "doublecheck"). Longer phrases are tried first and matches do not overlap, so
 # "let me check" counts once.

@@ -3,28 +3,27 @@
 Inputs, each a folder:
 - a training run (``config.yaml`` + ``metrics.jsonl``, as ``stare train`` / ``stare run`` write them); its
   evaluations are the ``eval-<bench>/summary.json`` folders inside it (``stare eval --out RUN`` makes them);
-- an evaluation output (``summary.json``), shown as its own row;
+- an evaluation output (``summary.json``): joined to the run it evaluated when its model is that run's
+  ``final/`` folder, else a row of its own (one per model);
 - an OpenRLHF run: TensorBoard event files (``events.out.tfevents.*``, possibly in a subfolder named after the
   run), read with the tag mapping in ``stare.cli.tensorboard_runs.TB_TAGS``; its settings come from a
   ``config.yaml`` beside or above the event folder when there is one;
 - a folder holding several runs (a ``stare run`` output, a TensorBoard log folder): every run below it.
 
-One row per run: algorithm, model, avg@k (with its 95% interval) and pass@k per benchmark found, final
-entropy, share of late steps in the target band, late response length, reflection rate. What a run does not
-have stays blank. Plots: entropy, reward, response length and reflection rate against training step.
+The table and plots are ``stare run``'s (``stare.cli.tables.write_comparison``, ``stare.cli.plots.plot_curves``):
+the same rows, columns, windows and colours, so both commands print the same numbers for the same runs.
 """
 from __future__ import annotations
 
-import csv
-import json
 from dataclasses import replace
 from pathlib import Path
 
-from stare.cli.local.report import (CURVES, FINAL_PCT, LATE_PCT, _band, _mean, _tail, _values, band_share, load_run,
-                                    plot_curves)
+from stare.cli.plots import CURVES, plot_curves
+from stare.cli.runs import read_evals, read_summary, load_run
+from stare.cli.tables import write_comparison
 from stare.cli.tensorboard_runs import event_dirs, load_tb_run, run_root
 
-BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
+REFLECTION_CURVE = ("reflection_rate", "reflection words per 1k tokens", "reflection.png")
 
 
 def _is_run(path: Path) -> bool:
@@ -51,93 +50,40 @@ def collect(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     return runs, evals
 
 
-def _read_summary(path: Path) -> dict:
-    try:
-        return json.loads((path / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path / 'summary.json'} is not readable JSON: {exc}") from None
-
-
-def _bench_cells(summaries: list[dict]) -> dict:
-    cells = {}
-    for s in summaries:
-        bench = s.get("bench")
-        ci = (s.get("ci95") or {}).get("avg_at_k")
-        cells[bench] = {"k": s.get("k"), "avg_at_k": s.get("avg_at_k"), "pass_at_k": s.get("pass_at_k"),
-                        "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
-                        "reflection": s.get("reflection_per_1k_tokens")}
-    return cells
+def _evaluated_run(summary: dict, roots: dict[Path, int]) -> int | None:
+    """Index of the run whose ``final/`` (or folder) the summary's model is, if it is one of ``roots``."""
+    model = summary.get("model")
+    if not isinstance(model, str) or not Path(model).exists():
+        return None
+    path = Path(model).resolve()
+    for candidate in (path.parent, path) if path.name == "final" else (path,):
+        if candidate in roots:
+            return roots[candidate]
+    return None
 
 
 def compare(paths: list[Path], out: Path) -> list[dict]:
+    """Write the comparison of ``paths`` in ``out``; returns the table's rows (arms, then standalone evals)."""
     run_dirs, eval_dirs = collect(paths)
-    rows, runs = [], []
-    for d in run_dirs:
+    runs, roots = [], {}
+    for d in dict.fromkeys(run_dirs):  # a folder named twice is one run
         if _is_run(d):
-            run, root = load_run(d), d
+            run = load_run(d)
         else:  # TensorBoard event files (OpenRLHF)
-            run, root = load_tb_run(d), run_root(d)
-        label = f"{run.algo or 'openrlhf'} ({d})"
-        runs.append(replace(run, algo=label))
-        late = _tail(run.metrics, LATE_PCT)
-        summaries = [_read_summary(e) for e in sorted(root.glob("eval-*")) if (e / "summary.json").is_file()]
-        rows.append({"run": str(d), "algorithm": run.algo,
-                     "model": (run.config.get("settings") or {}).get("model"),
-                     "final_entropy": _mean(_values(_tail(run.metrics, FINAL_PCT), "entropy")),
-                     "band_share": band_share(_band(run), _values(late, "entropy")),
-                     "response_length": _mean(_values(late, "response_length")),
-                     "benches": _bench_cells(summaries)})
+            root = run_root(d)
+            run = replace(load_tb_run(d), evals=read_evals(root))
+            roots.setdefault(root.resolve(), len(runs))
+        roots.setdefault(Path(d).resolve(), len(runs))
+        runs.append(run)
+    standalone = []
     for e in eval_dirs:
-        s = _read_summary(e)
-        rows.append({"run": str(e), "algorithm": None, "model": s.get("model"), "final_entropy": None,
-                     "band_share": None, "response_length": s.get("mean_response_tokens"),
-                     "benches": _bench_cells([s])})
-    write_tables(rows, out)
+        summary = read_summary(e)
+        owner = _evaluated_run(summary, roots)
+        if owner is None:
+            standalone.append(summary)
+        else:  # an evaluation of a run's final model joins that run's row
+            runs[owner] = replace(runs[owner], evals={**runs[owner].evals, summary["bench"]: summary})
+    summary = write_comparison(out, runs, evals=standalone)
     if runs:
-        plot_curves(out, runs, CURVES + (("reflection_rate", "reflection words per 1k tokens", "reflection.png"),))
-    return rows
-
-
-def _f(x, digits=3) -> str:
-    return "" if x is None else f"{x:.{digits}f}"
-
-
-def write_tables(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    benches = [b for b in BENCH_ORDER if any(b in r["benches"] for r in rows)]
-    benches += sorted({b for r in rows for b in r["benches"] if b not in benches and b})
-    fields = ["run", "algorithm", "model"]
-    for b in benches:
-        fields += [f"{b}_avg_at_k", f"{b}_ci_low", f"{b}_ci_high", f"{b}_pass_at_k", f"{b}_k"]
-    fields += ["final_entropy", "band_share", "response_length", "reflection_per_1k_tokens"]
-    with open(out / "comparison.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(fields)
-        for r in rows:
-            line = [r["run"], r["algorithm"] or "", r["model"] or ""]
-            for b in benches:
-                c = r["benches"].get(b, {})
-                line += [c.get("avg_at_k"), c.get("ci_low"), c.get("ci_high"), c.get("pass_at_k"), c.get("k")]
-            refl = next((c["reflection"] for c in r["benches"].values() if c.get("reflection") is not None), None)
-            line += [r["final_entropy"], r["band_share"], r["response_length"], refl]
-            w.writerow(["" if v is None else v for v in line])
-    head = ["run", "algorithm", "model"]
-    for b in benches:
-        head += [f"{b} avg@k [95% CI]", f"{b} pass@k"]
-    head += ["final entropy", "band share", "response length", "reflection /1k tok"]
-    md = ["# Comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["run"], r["algorithm"] or "", r["model"] or ""]
-        for b in benches:
-            c = r["benches"].get(b)
-            if c and c.get("avg_at_k") is not None:
-                ci = f" [{_f(c['ci_low'])}, {_f(c['ci_high'])}]" if c.get("ci_low") is not None else ""
-                cells += [f"{_f(c['avg_at_k'])}{ci} (k={c.get('k')})", _f(c.get("pass_at_k"))]
-            else:
-                cells += ["", ""]
-        refl = next((c["reflection"] for c in r["benches"].values() if c.get("reflection") is not None), None)
-        cells += [_f(r["final_entropy"]), _f(r["band_share"]), _f(r["response_length"], 1), _f(refl, 2)]
-        md.append("| " + " | ".join(cells) + " |")
-    md += ["", f"final entropy: mean over the last {FINAL_PCT}% of steps; band share and response length: the "
-           f"last {LATE_PCT}% of steps; blank: not measured for that run."]
-    (out / "comparison.md").write_text("\n".join(md) + "\n")
+        plot_curves(out, runs, CURVES + (REFLECTION_CURVE,))
+    return summary["arms"] + summary["evals"]

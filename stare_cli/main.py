@@ -116,11 +116,11 @@ def _resolve_or_fail(preset: str, algo: str, sets: list[str]) -> dict:
 
 def _print_eval(console_: Console, result: dict) -> None:
     k = result["k"]
-    line = (f"held-out avg@{k} {result[f'avg_at_{k}']:.3f}  pass@{k} {result[f'pass_at_{k}']:.3f}  "
+    line = (f"held-out avg@{k} {result['avg_at_k']:.3f}  pass@{k} {result['pass_at_k']:.3f}  "
             f"greedy {result['greedy_accuracy']:.3f}")
     if result.get("hard"):
         h = result["hard"]
-        line += f"  |  hard cases: avg@{k} {h[f'avg_at_{k}']:.3f} pass@{k} {h[f'pass_at_{k}']:.3f}"
+        line += f"  |  hard cases: avg@{k} {h['avg_at_k']:.3f} pass@{k} {h['pass_at_k']:.3f}"
     console_.print(line)
 
 
@@ -175,8 +175,8 @@ def train(
             resolved["out"] = str(out)
         sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
         return
-    from .local.runner import _quiet
-    from .local.trainer import RunDirError, prepare_run_dir
+    from .local.runner import quiet
+    from .rundir import RunDirError, prepare_run_dir
 
     _check_model_available(resolved)
     out = out or Path("runs") / f"{preset}-{algo}"
@@ -184,7 +184,7 @@ def train(
         prepare_run_dir(out, resolved, resume)
     except RunDirError as exc:
         fail(str(exc))
-    _quiet()
+    quiet()
     from rich.progress import Progress
 
     from .local.trainer import LocalTrainer
@@ -218,9 +218,8 @@ def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resum
     if dry_run:
         sys.stdout.write(json.dumps(plan, indent=2) + "\n")
         return
-    from .local.trainer import RunDirError, check_run_dir, prepare_run_dir
-
     from .openrlhf_backend import OpenRLHFVersionError
+    from .rundir import RunDirError, check_run_dir, prepare_run_dir
 
     try:
         check_run_dir(out, resolved, resume)
@@ -269,23 +268,18 @@ def run(
     resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
     out = out or Path("runs") / preset
     errors.check_out_dir(out)
-    marker = out / "run.yaml"
-    import yaml
-
-    if marker.exists():
-        old = yaml.safe_load(marker.read_text()) or {}
-        if old.get("preset") != preset:
-            fail(f"{out} holds a run of preset {old.get('preset')!r}; use another --out (nothing was changed)")
-    elif out.exists() and any(out.iterdir()):
-        fail(f"{out} is not empty and holds no stare run; use another --out (nothing was changed)")
-    from .local.report import plot_curves, load_run, write_comparison
     from .local.runner import run_arms
-    from .local.trainer import RunDirError
+    from .plots import plot_curves
+    from .rundir import RunDirError, check_run_set_dir, mark_run_set
+    from .runs import load_run
+    from .tables import write_comparison
 
+    try:
+        check_run_set_dir(out, preset)
+    except RunDirError as exc:
+        fail(str(exc))
     _check_model_available(next(iter(resolved.values())), prepare=True)
-    out.mkdir(parents=True, exist_ok=True)
-    if not marker.exists():
-        marker.write_text(yaml.safe_dump({"preset": preset, "algos": arm_names, "seeds": n_seeds}))
+    mark_run_set(out, preset, arm_names, n_seeds)
     console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {escape(str(out))}")
     try:
         dirs = run_arms(resolved, out, seeds=n_seeds, resume=resume, parallel=parallel, console=console)
@@ -293,9 +287,10 @@ def run(
         fail(str(exc))
     runs = [load_run(d) for d in dirs]
     write_comparison(out, runs)
-    plot_curves(out, runs)
+    plots = plot_curves(out, runs)
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {escape(str(out))}/comparison.md, comparison.csv, entropy.png, reward.png, response_length.png")
+    console.print(f"wrote {out}/comparison.md, comparison.csv" + "".join(f", {p.name}" for p in plots),
+                  markup=False, highlight=False)
 
 
 @app.command("eval")
@@ -307,7 +302,8 @@ def eval_(
     k: Optional[int] = typer.Option(None, "--k", min=1, help="Samples per problem (default: the protocol's)."),
     protocol: str = typer.Option("stare", "--protocol", help="stare (k 32, T 1.0, top_p 0.7), dapo, r1 (T 0.6, "
                                                             "top_p 0.95)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol; in [0, 2]. 0 "
+                                                                           "is greedy: one sample, so --k 1."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Overrides the protocol."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Overrides the protocol."),
     backend: Optional[str] = typer.Option(None, "--backend", help="vllm or hf (default: vllm when importable "
@@ -316,9 +312,12 @@ def eval_(
                                                            "shipped lm-eval tasks, aime24 and aime25)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm)."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL/parquet with problem and "
-                                                                      "answer fields."),
+                                                                      "answer fields, or 'hub' for the Hugging Face "
+                                                                      "hub (default: $STARE_DATA_DIR, else the copy "
+                                                                      "shipped for aime24/aime25, else the hub)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (sample j of problem i: (seed mod 2**31) * 2**32 + "
+                                               "i * k + j)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: evals/BENCH)."),
     resume: bool = typer.Option(False, "--resume", help="Skip samples already in OUT/samples.jsonl."),
     tools: Optional[str] = typer.Option(None, "--tools", help="python: multi-turn tool use, code blocks run in a "
@@ -333,66 +332,41 @@ def eval_(
     from stare.eval.data import local_data_file
     from stare.eval.harness import check_backend, default_backend, make_backend, resolve_protocol, run_eval
 
-    harnesses = ("stare", "lm-eval")
+    from .eval_plan import check_harness, eval_target
+
     if bench not in BENCHES:
         fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
+    errors.check_out_dir(out or Path("evals") / bench)
     try:
         if backend is not None:
             check_backend(backend)
+        check_harness(harness, bench, resume=resume, tools=tools)
+        if tools is not None:
+            from .agent.loop import ToolConfig
+            from .agent.multiturn import ToolUseBackend
+
+            tool_config = ToolConfig.from_env()
+        model, out_dir = eval_target(model, out, bench)
     except ValueError as exc:
         fail(str(exc))
-    if harness not in harnesses:
-        fail(f"unknown harness {harness!r}; valid harnesses: {', '.join(harnesses)}")
-    if tools is not None:
-        from .agent.loop import ToolConfig
-        from .agent.multiturn import TOOLS, ToolUseBackend
-
-        if tools not in TOOLS:
-            fail(f"unknown tool {tools!r}; valid tools: {', '.join(TOOLS)}")
-        if harness != "stare":
-            fail("--tools works with --harness stare only")
-        try:
-            tool_config = ToolConfig.from_env()
-        except ValueError as exc:
-            fail(str(exc))
-    if harness == "lm-eval":
-        from stare.eval.lm_eval_harness import LmEvalError, require_lm_eval, task_name
-
-        try:
-            task_name(bench)
-            require_lm_eval()
-        except LmEvalError as exc:
-            fail(str(exc))
-        if resume:
-            fail("--resume works with --harness stare only; lm-eval runs a task from the start")
     backend = backend or default_backend()
-    out_dir = out or Path("evals") / bench
-    errors.check_out_dir(out_dir)
-    if model is None:
-        final = out_dir / "final"
-        if out is not None and (out_dir / "config.yaml").exists() and (final / "config.json").exists():
-            model, out_dir = str(final), out_dir / f"eval-{bench}"
-        else:
-            fail("--model is required (or give --out a training run folder that has final/)")
-    elif not Path(model).exists() and model.count("/") != 1:
-        fail(f"model {model!r} is neither a folder nor a hub id (owner/name)")
     errors.check_out_dir(out_dir)
     try:
         proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         local = local_data_file(bench, data_file)
         if harness == "stare" or local is not None:  # lm-eval reads the hub itself
-            problems = load_bench(bench, data_file=local, limit=limit)
+            problems = load_bench(bench, data_file=local if local is not None else "hub", limit=limit)
     except ValueError as exc:
         fail(str(exc))
     if (out_dir / "samples.jsonl").exists() and not resume:
         fail(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare" else "")
              + "use another --out (nothing was changed)")
     errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
-    from .local.runner import _quiet
+    from .local.runner import quiet
 
-    _quiet()
+    quiet()
     if harness == "lm-eval":
-        from stare.eval.lm_eval_harness import run_lm_eval
+        from stare.eval.lm_eval_harness import LmEvalError, run_lm_eval
 
         console.print(f"lm-eval task for {bench}: {proto.k} samples per problem, {backend} model")
         try:
@@ -441,8 +415,8 @@ def compare(
     except ValueError as exc:
         fail(str(exc))
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"{len(rows)} row(s) -> {escape(str(out))}/comparison.md, comparison.csv" +
-                  (", plots" if (out / "entropy.png").exists() else ""))
+    console.print(f"{len(rows)} row(s) -> {out}/comparison.md, comparison.csv" +
+                  (", plots" if (out / "entropy.png").exists() else ""), markup=False, highlight=False)
 
 
 def main() -> None:

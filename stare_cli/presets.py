@@ -17,6 +17,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field, fields
 from importlib import resources
+from pathlib import Path
 
 import yaml
 
@@ -39,6 +40,26 @@ class Preset:
     algorithms: dict = field(default_factory=dict)
 
 
+def load_yaml(text: str, *, source: str):
+    """Parse YAML text: the one YAML reader of presets, run configs (config.yaml) and run-set markers (run.yaml).
+    ``PresetError`` (a ValueError) naming ``source`` with the parser's first line when it is not valid YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PresetError(f"{source} is not valid YAML: {exc}".splitlines()[0]) from None
+
+
+def read_config(path) -> dict:
+    """A YAML file that must hold a mapping (a run's config.yaml, a ``stare run`` folder's run.yaml); an empty file
+    is an empty mapping. ``PresetError`` (a ValueError) naming the file otherwise."""
+    data = load_yaml(Path(path).read_text(), source=str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PresetError(f"{path} is malformed: expected a mapping, got {type(data).__name__}")
+    return data
+
+
 def preset_names() -> list[str]:
     files = resources.files("stare.configs")
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
@@ -53,10 +74,7 @@ def load_preset(name: str) -> Preset:
 
 
 def parse_preset(text: str, *, source: str, expected_name: str | None = None) -> Preset:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PresetError(f"preset {source} is not valid YAML: {exc}".splitlines()[0]) from None
+    data = load_yaml(text, source=f"preset {source}")
     if not isinstance(data, dict):
         raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
     for key, typ in REQUIRED.items():

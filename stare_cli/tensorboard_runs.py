@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import yaml
+from .presets import read_config
 
 # metric key (as in a local run's metrics.jsonl) -> TensorBoard tags, in order of preference: the first tag the run
 # logged at all is used for every step (STARE's batch entropy of the old policy before OpenRLHF's entropy_loss).
 TB_TAGS: dict[str, tuple[str, ...]] = {
-    "entropy": ("train/stare/entropy", "train/entropy_loss"),
+    "stare/entropy": ("train/stare/entropy", "train/entropy_loss"),
     "reward_mean": ("train/reward",),
     "response_length": ("train/response_length",),
     "stare/target": ("train/stare/target",),
@@ -74,21 +74,16 @@ def find_config(folder: Path) -> Path | None:
 def _config(path: Path | None) -> dict:
     if path is None:
         return {"algo": {}}
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is malformed: expected a mapping")
+    data = read_config(path)  # ValueError naming the file
     if not isinstance(data.get("algo"), dict):
         data["algo"] = {}
     return data
 
 
 def load_tb_run(folder: Path):
-    """A ``Run`` (as ``stare.cli.local.report`` uses; ``algo`` None without a config.yaml) from the event files in
+    """A ``Run`` (as ``stare.cli.runs`` defines; ``algo`` None without a config.yaml) from the event files in
     ``folder``; ValueError when none of ``TB_TAGS``' tags is there."""
-    from .local.report import Run
+    from .runs import Run
 
     folder = Path(folder)
     scalars = read_scalars(folder)

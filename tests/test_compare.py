@@ -1,5 +1,6 @@
 """`stare compare` on fixture runs and eval outputs written by hand: numbers, blanks, plots, bad input."""
 import csv
+import io
 import json
 import subprocess
 import sys
@@ -8,6 +9,14 @@ import pytest
 import yaml
 
 from stare.cli.compare import compare
+
+# small enough for seconds per arm on two cores (as in test_local_engine.py)
+FAST = ["warmstart_steps=100", "warmstart_noise=0.3", "eval_problems=8", "prompts_per_step=4", "samples_per_prompt=4",
+        "train_problems=200", "micro_batch_size=8"]
+
+
+def stare(*args):
+    return subprocess.run([sys.executable, "-m", "stare.cli.main", *args], capture_output=True, text=True)
 
 
 def make_run(path, algo, entropies, *, evals=()):
@@ -39,26 +48,96 @@ def test_compare_numbers_and_blanks(tmp_path):
     rows = compare([tmp_path / "a", tmp_path / "b", standalone], out)
     assert len(rows) == 3
     table = list(csv.DictReader((out / "comparison.csv").open()))
-    a, b, ev = table
-    assert float(a["final_entropy"]) == pytest.approx((0.2 + 0.4) / 2)
-    assert float(a["band_share"]) == pytest.approx(3 / 5)  # 0.35, 0.31, 0.4 inside [0.30, 0.45]
-    assert float(a["response_length"]) == pytest.approx(sum(10.0 + i for i in range(15, 20)) / 5)
-    assert float(a["aime24_avg_at_k"]) == 0.4 and float(a["aime25_avg_at_k"]) == 0.25 and a["aime24_k"] == "4"
-    assert float(a["reflection_per_1k_tokens"]) == 2.5
-    assert b["aime24_avg_at_k"] == "" and b["aime25_avg_at_k"] == "" and float(b["band_share"]) == 0.0
-    assert ev["algorithm"] == "" and ev["model"] == "some/model" and float(ev["aime25_avg_at_k"]) == 0.2
-    assert ev["final_entropy"] == "" and ev["aime24_avg_at_k"] == ""
+    b, a, ev = table  # the registry's order (grpo before stare-phi), then the evaluation of another model
+    assert (a["arm"], b["arm"], ev["arm"]) == ("stare-phi", "grpo", "some/model")
+    assert float(a["late_entropy_mean"]) == pytest.approx((0.35 + 0.5 + 0.31 + 0.2 + 0.4) / 5)  # the last 25%
+    assert float(a["start_entropy_mean"]) == 0.8
+    assert float(a["band_share_mean"]) == pytest.approx(3 / 5)  # 0.35, 0.31, 0.4 inside [0.30, 0.45]
+    assert float(a["late_response_length_mean"]) == pytest.approx(sum(10.0 + i for i in range(15, 20)) / 5)
+    assert float(a["final_reward_mean"]) == 0.5
+    assert float(a["aime24_avg_at_k_mean"]) == 0.4 and float(a["aime25_avg_at_k_mean"]) == 0.25 and a["aime24_k"] == "4"
+    assert float(a["aime24_ci_low"]) == 0.1 and float(a["aime24_ci_high"]) == 0.6
+    assert float(a["reflection_per_1k_tokens_mean"]) == 2.5
+    assert b["aime24_avg_at_k_mean"] == "" and b["aime25_avg_at_k_mean"] == "" and float(b["band_share_mean"]) == 0.0
+    assert ev["model" if "model" in ev else "arm"] == "some/model" and float(ev["aime25_avg_at_k_mean"]) == 0.2
+    assert ev["late_entropy_mean"] == "" and ev["aime24_avg_at_k_mean"] == ""
     md = (out / "comparison.md").read_text()
-    assert "0.400 [0.100, 0.600] (k=4)" in md
-    for name in ("entropy.png", "reward.png", "response_length.png", "reflection.png"):
+    assert "| stare-phi | 1 | 0.500 |" in md and "0.400 [0.100, 0.600] (k=4)" in md
+    for name in ("entropy.png", "reward.png", "response_length.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "reflection.png").exists()  # no run logged a reflection rate: no empty frame
+
+
+def test_an_eval_of_a_runs_final_model_joins_its_row(tmp_path):
+    make_run(tmp_path / "runs" / "stare", "stare", [0.5] * 8)
+    make_run(tmp_path / "runs" / "grpo", "grpo", [0.4] * 8)
+    (tmp_path / "runs" / "stare" / "final").mkdir()
+    ev = tmp_path / "evals" / "aime25"
+    ev.mkdir(parents=True)
+    (ev / "summary.json").write_text(json.dumps({"bench": "aime25", "model": str(tmp_path / "runs" / "stare" / "final"),
+                                                 "k": 32, "avg_at_k": 0.3, "pass_at_k": 0.6,
+                                                 "ci95": {"avg_at_k": [0.2, 0.4]}}))
+    rows = compare([tmp_path / "runs", ev], tmp_path / "cmp")
+    assert [r["label"] for r in rows] == ["grpo", "stare"]  # no third row for the evaluation
+    table = {r["arm"]: r for r in csv.DictReader((tmp_path / "cmp" / "comparison.csv").open())}
+    assert float(table["stare"]["aime25_avg_at_k_mean"]) == 0.3 and table["stare"]["aime25_k"] == "32"
+    assert table["grpo"]["aime25_avg_at_k_mean"] == ""
+
+
+def test_arms_of_one_algorithm_with_other_settings_are_separate_rows_with_one_colour(tmp_path):
+    from stare.cli.plots import colour
+    from stare.cli.tables import group_arms
+    from stare.cli.runs import load_run
+
+    make_run(tmp_path / "x" / "stare", "stare", [0.5] * 4)
+    make_run(tmp_path / "y" / "stare", "stare", [0.3] * 4)
+    cfg = yaml.safe_load((tmp_path / "y" / "stare" / "config.yaml").read_text())
+    cfg["settings"]["task"] = "explore"
+    (tmp_path / "y" / "stare" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows = compare([tmp_path / "y", tmp_path / "x"], tmp_path / "cmp")
+    assert [r["label"] for r in rows] == [f"stare ({tmp_path / 'y' / 'stare'})", f"stare ({tmp_path / 'x' / 'stare'})"]
+    groups = group_arms([load_run(tmp_path / "x" / "stare"), load_run(tmp_path / "y" / "stare")])
+    assert len(groups) == 2
+    palette = list(range(10))
+    assert [colour(a, palette) for a in ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi")] == list(range(6))
+    assert colour(None, palette) == colour("unknown", palette) == 6
+
+
+def test_a_repeated_run_is_its_own_row_not_a_duplicate_seed(tmp_path):
+    make_run(tmp_path / "runs" / "stare", "stare", [0.5] * 4)
+    make_run(tmp_path / "one", "stare", [0.3] * 4)  # the same settings and (no) seed, trained again elsewhere
+    rows = compare([tmp_path / "runs", tmp_path / "one"], tmp_path / "cmp")
+    assert [r["label"] for r in rows] == [f"stare ({tmp_path / 'runs' / 'stare'})", f"stare ({tmp_path / 'one'})"]
+    table = {r["arm"]: r for r in csv.DictReader((tmp_path / "cmp" / "comparison.csv").open())}
+    assert float(table[f"stare ({tmp_path / 'one'})"]["late_entropy_mean"]) == 0.3
+
+
+def test_stare_run_and_stare_compare_write_the_same_table(tmp_path):
+    """Both commands on the same run folders: the same rows, columns and numbers (the issue's 0.321 vs 0.347)."""
+    out = tmp_path / "demo"
+    sets = sum((["--set", s] for s in FAST + ["steps=4"]), [])
+    res = stare("run", "--preset", "tiny-cpu", "--algos", "stare-phi,grpo", "--out", str(out), *sets)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_md, run_csv = (out / "comparison.md").read_text(), (out / "comparison.csv").read_text()
+    res = stare("compare", str(out), "--out", str(tmp_path / "cmp"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "cmp" / "comparison.md").read_text() == run_md
+    assert (tmp_path / "cmp" / "comparison.csv").read_text() == run_csv
+    rows = {r["arm"]: r for r in csv.DictReader(io.StringIO(run_csv))}
+    assert list(rows) == ["warmstart", "grpo", "stare-phi"]
+    for arm in ("grpo", "stare-phi"):  # by hand from metrics.jsonl: late H is the mean over the last 25% of steps
+        metrics = [json.loads(x) for x in (out / arm / "metrics.jsonl").read_text().splitlines()]
+        late = [m["entropy"] for m in metrics[-1:]]  # 4 steps: ceil(25% of 4) = 1
+        assert float(rows[arm]["late_entropy_mean"]) == pytest.approx(sum(late) / len(late))
+        ev = json.loads((out / arm / "eval.json").read_text())
+        assert float(rows[arm]["avg_at_8_mean"]) == ev["avg_at_k"] == ev["avg_at_8"]
 
 
 def test_folder_of_runs_expands(tmp_path):
     make_run(tmp_path / "demo" / "grpo", "grpo", [0.5] * 4)
     make_run(tmp_path / "demo" / "dapo", "dapo", [0.5] * 4)
     rows = compare([tmp_path / "demo"], tmp_path / "out")
-    assert sorted(r["algorithm"] for r in rows) == ["dapo", "grpo"]
+    assert [r["arm"] for r in rows] == ["grpo", "dapo"]  # the registry order, whatever the folder order
 
 
 def test_bad_input_exit_2(tmp_path):

@@ -79,16 +79,21 @@ def test_openrlhf_runs_in_the_table(openrlhf_run, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     a, b = list(csv.DictReader((out / "comparison.csv").open()))
 
-    assert a["algorithm"] == "stare-phi" and a["model"] == "Qwen/Qwen2.5-Math-7B"
-    assert float(a["final_entropy"]) == pytest.approx(sum(late(STARE_H, 10)) / 2, rel=1e-6)  # (0.25 + 0.41) / 2
+    assert a["arm"] == "stare-phi"
+    assert float(a["late_entropy_mean"]) == pytest.approx(sum(late(STARE_H, 25)) / 5, rel=1e-6)  # the last 25%
+    assert float(a["start_entropy_mean"]) == pytest.approx(STARE_H[0], rel=1e-6)
+    assert float(a["final_reward_mean"]) == pytest.approx(sum(late(REWARD, 10)) / 2, rel=1e-6)
     in_band = [h for h in late(STARE_H, 25) if 0.3 <= h <= 0.45]  # 0.36, 0.32, 0.41
-    assert float(a["band_share"]) == pytest.approx(len(in_band) / 5) == 3 / 5
-    assert float(a["response_length"]) == pytest.approx(sum(late(LENGTH, 25)) / 5, rel=1e-6)
-    assert float(a["aime24_avg_at_k"]) == 0.31 and a["aime24_k"] == "32"
+    assert float(a["band_share_mean"]) == pytest.approx(len(in_band) / 5) == 3 / 5
+    assert float(a["late_response_length_mean"]) == pytest.approx(sum(late(LENGTH, 25)) / 5, rel=1e-6)
+    assert float(a["aime24_avg_at_k_mean"]) == 0.31 and a["aime24_k"] == "32"
+    assert a["avg_at_k_mean"] == ""  # no eval.json: OpenRLHF runs have only stare eval outputs
 
-    assert b["algorithm"] == "" and b["model"] == "" and b["band_share"] == ""  # no config: no band, no name
-    assert float(b["final_entropy"]) == pytest.approx(1.5)  # from train/entropy_loss
-    assert b["response_length"] == "" and b["aime24_avg_at_k"] == ""
+    assert b["arm"] == "openrlhf" and b["band_share_mean"] == ""  # no config: no band, no name
+    assert float(b["late_entropy_mean"]) == pytest.approx(1.5)  # from train/entropy_loss
+    assert b["late_response_length_mean"] == "" and b["aime24_avg_at_k_mean"] == ""
+    md = (out / "comparison.md").read_text()
+    assert "no eval.json" not in md  # that note is for local runs
     for name in ("entropy.png", "reward.png", "response_length.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -99,7 +104,7 @@ def test_tensorboard_run_records(openrlhf_run):
     (folder,) = event_dirs(openrlhf_run)
     run = load_tb_run(folder)
     assert [r["step"] for r in run.metrics] == list(range(1, STEPS + 1))
-    assert [r["entropy"] for r in run.metrics] == pytest.approx(STARE_H, rel=1e-6)  # step 10: the later write
+    assert [r["stare/entropy"] for r in run.metrics] == pytest.approx(STARE_H, rel=1e-6)  # step 10: the later write
     assert [r["reward_mean"] for r in run.metrics] == pytest.approx(REWARD, rel=1e-6)
     for key, value in (("stare/w", 2.0), ("stare/m", 0.05), ("stare/gate_on", 1.0), ("stare/target", 0.45)):
         assert [r[key] for r in run.metrics] == pytest.approx([value] * STEPS, rel=1e-6)  # stored as float32

@@ -121,3 +121,57 @@ def test_eval_of_a_training_run_uses_its_final_checkpoint(tmp_path, data_file):
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((run / "eval-aime24" / "summary.json").read_text())
     assert summary["model"] == str(run / "final") and summary["n_problems"] == 3
+
+
+class ContextBackend:
+    """Fixed samples with ``truncated`` flags; problem "qlong" does not fit the (stated) context."""
+
+    name = "scripted"
+    context_length = 100
+
+    def __init__(self):
+        self.calls = []
+
+    def prompt_text(self, problem, instruction):
+        return problem
+
+    def prompt_tokens(self, prompt):
+        return 150 if prompt == "qlong" else 10
+
+    def generate(self, prompt, n, proto, seed):
+        from stare.eval.harness import PromptTooLong
+
+        self.calls.append(prompt)
+        if prompt == "qlong":
+            raise PromptTooLong(150, 100)
+        flags = {"qa": [False, True, True, False], "qb": [True, False, False, False]}[prompt]
+        return [(f"\\boxed{{{i}}}", 90 if cut else 5, {"truncated": cut}) for i, cut in enumerate(flags)]
+
+
+def test_not_attempted_and_truncated_by_hand(tmp_path):
+    from stare.eval.harness import Protocol, run_eval
+
+    problems = [Problem("a", "qa", "1"), Problem("long", "qlong", "7"), Problem("b", "qb", "0")]
+    proto = Protocol("stare", 4, 1.0, 0.7, 90)
+    warnings = []
+    s = run_eval(problems, ContextBackend(), proto, tmp_path, bench="aime24", model="m", seed=0, resume=False,
+                 warn=warnings.append)
+    # one warning before sampling (150 + 90 > 100), one for the problem that does not fit
+    assert len(warnings) == 2 and "longest prompt (150 tokens, problem long)" in warnings[0]
+    assert warnings[1].startswith("problem long:") and "not attempted" in warnings[1]
+    assert s["not_attempted"] == 1 and s["not_attempted_ids"] == ["long"]
+    assert s["truncated"] == pytest.approx(3 / 8)  # 2 of qa's 4 and 1 of qb's 4; the long problem not counted
+    assert s["avg_at_k"] == pytest.approx((1 / 4 + 0 + 1 / 4) / 3)  # sample 1 of a, sample 0 of b; long scores 0
+    assert s["mean_response_tokens"] == pytest.approx((3 * 90 + 5 * 5) / 8)  # over the 8 generated samples
+    rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["not_attempted"] for r in rows if r["problem_id"] == "long"] == [True] * 4
+    # resume: samples written before these fields existed (no truncated / not_attempted) still summarise
+    old = [{k: v for k, v in r.items() if k not in ("truncated", "not_attempted")} for r in rows
+           if r["problem_id"] == "a"]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    backend = ContextBackend()
+    s2 = run_eval(problems, backend, proto, tmp_path, bench="aime24", model="m", seed=0, resume=True,
+                  warn=warnings.append)
+    assert backend.calls == ["qlong", "qb"]  # a was kept
+    assert s2["truncated"] == pytest.approx(1 / 8) and s2["not_attempted"] == 1  # a's old rows: not truncated
+    assert s2["avg_at_k"] == s["avg_at_k"]

@@ -69,12 +69,11 @@ def test_shipped_tasks_are_registered_and_keep_every_sample():
 
 @pytest.mark.parametrize("bench", ["aime24", "aime25"])
 def test_task_docs_equal_the_stare_harness_problems(bench):
-    """On the shared AIME copies: the lm-eval task's documents are the problems `stare eval` reads from that file."""
-    from pathlib import Path
+    """On the packaged AIME copies: the lm-eval task's documents are the problems `stare eval` reads from that file."""
+    from stare.eval.data import packaged_data_file
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime" / f"{bench}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} is not here")
+    path = packaged_data_file(bench)
+    assert path is not None
     import datasets
 
     from stare.eval import load_bench

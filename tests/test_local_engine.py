@@ -1,6 +1,7 @@
 """The local engine end to end: tasks, a resumed run after kill -9, a shortened `stare run`, bad input."""
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from stare.cli.local.tasks import MARKER, TRIGGER, get_task
@@ -97,9 +99,9 @@ def test_short_stare_run_end_to_end(tmp_path):
     arms = ["grpo", "dapo", "stare", "stare-phi"]
     rows = list(csv.DictReader((out / "comparison.csv").open()))
     assert [r["arm"] for r in rows if r["arm"] != "warmstart"] == arms
-    base = {"step", "reward_mean", "entropy", "response_length", "clip_frac_low", "clip_frac_high",
-            "entropy_forecast", "entropy_change", "quadrant/pos_low_share", "quadrant/pos_high_share",
-            "quadrant/neg_low_share", "quadrant/neg_high_share"}
+    base = {"step", "reward_mean", "stare/entropy", "response_length", "clip_frac_low", "clip_frac_high",
+            "stare/entropy_forecast", "stare/entropy_change_same_batch", "stare/pos_low_share",
+            "stare/pos_high_share", "stare/neg_low_share", "stare/neg_high_share", "stare/tokens"}
     stare_keys = {"stare/gate_on", "stare/w", "stare/m", "stare/positive_reweight_ratio",
                   "stare/negative_reweight_ratio"}
     for arm in arms:
@@ -108,6 +110,7 @@ def test_short_stare_run_end_to_end(tmp_path):
         assert len(read_metrics(run_dir)) == 6 and metrics
         for r in metrics:
             assert base <= set(r), base - set(r)
+            assert ("stare/entropy_change" in r) == (r["step"] > 1)  # against the previous step's entropy
             if arm.startswith("stare"):
                 assert stare_keys <= set(r), stare_keys - set(r)
         ev = json.loads((run_dir / "eval.json").read_text())
@@ -142,3 +145,85 @@ def test_bad_input_one_line_exit_2(tmp_path, args, message):
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
     assert not (tmp_path / "x").exists()
+
+
+def _hand_dapo_loss(lp, old, adv, mask, weights, n_tok, clip=(0.2, 0.28), dual_clip=10.0):
+    """DAPO's token-mean clipped loss with dual clip, each token's loss times its weight, written out by hand."""
+    ratio = torch.exp(lp - old)
+    a = adv[:, None].expand_as(lp)
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
+    per_token = torch.where(a < 0, torch.minimum(per_token, -dual_clip * a), per_token)
+    return (per_token * weights * mask).sum() / n_tok
+
+
+def _micro_batch_o1(old, adv, mask, ratio, w):
+    """The paper's O1 rule inside one micro-batch, by sorting: W on the top ceil(ratio n) surprisal A > 0 tokens."""
+    pos = mask.bool() & (adv[:, None] > 0)
+    weights = torch.ones_like(old)
+    if pos.any():
+        s = -old[pos]
+        k = max(1, math.ceil(round(ratio * s.numel(), 9)))
+        weights[pos & (-old >= torch.sort(s, descending=True).values[k - 1])] = w
+    return weights
+
+
+def test_weights_change_the_loss_exactly_when_the_gate_is_on(tmp_path, monkeypatch):
+    """stare (O1, W 2) with scope micro_batch, the gate forced on, off, on, off by its target: on gate-on steps the
+    loss of every micro-batch is the hand-written loss with the micro-batch's own brute-force selection, and the
+    step's loss differs from the unweighted one; on gate-off steps no weights reach the loss."""
+    from stare.algorithms import METRIC_NAMES
+    from stare.cli.local import trainer as trainer_mod
+    from stare.cli.presets import resolve
+
+    sets = [s for s in FAST if not s.startswith("micro_batch_size")] + [
+        "steps=4", "eval_problems=2", "micro_batch_size=4", "mini_batches=2",
+        "scope=micro_batch", "w=2.0", "target_entropy=100.0"]
+    res = resolve("tiny-cpu", "stare", sets)
+    out = tmp_path / "run"
+    trainer_mod.prepare_run_dir(out, res, False)
+    tr = trainer_mod.LocalTrainer(res, out)
+    calls, step = [], [1]
+    real = trainer_mod.policy_loss
+
+    def spy(lp, old, adv, mask, **kw):
+        loss, m = real(lp, old, adv, mask, **kw)
+        calls.append({"step": step[0], "lp": lp.detach().clone(), "old": old.clone(), "adv": adv.clone(),
+                      "mask": mask.clone(), "weights": kw["weights"], "n_tok": kw["num_tokens"],
+                      "loss": loss.detach()})
+        return loss, m
+
+    def on_step(done, steps, rec):  # the real controller decides; only its target moves: on, off, on, off
+        step[0] = done + 1
+        tr.controller.target_entropy = 1e-6 if done % 2 == 1 else 100.0
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    tr.run(on_step=on_step)
+    records = read_metrics(out)
+    seen = {"on": 0, "off": 0}
+    for rec in records:
+        if rec.get("skipped"):
+            continue
+        assert {k for k in rec if k.startswith("stare/")} <= set(METRIC_NAMES)
+        gate_on = rec["stare/gate_on"] == 1.0
+        assert gate_on == (rec["step"] % 2 == 1)
+        mine = [c for c in calls if c["step"] == rec["step"]]
+        assert sum(c["lp"].shape[0] for c in mine) == rec["batch_prompts"] * 4  # every sequence trained once
+        plain = [_hand_dapo_loss(c["lp"], c["old"], c["adv"], c["mask"], torch.ones_like(c["lp"]), c["n_tok"])
+                 for c in mine]
+        if gate_on:
+            seen["on"] += 1
+            for c in mine:
+                expected = _micro_batch_o1(c["old"], c["adv"], c["mask"], 0.1, 2.0)
+                assert torch.equal(c["weights"], expected)
+                hand = _hand_dapo_loss(c["lp"], c["old"], c["adv"], c["mask"], expected, c["n_tok"])
+                assert c["loss"] == pytest.approx(float(hand), rel=1e-5, abs=1e-8)
+            total, total_plain = sum(float(c["loss"]) for c in mine), sum(float(p) for p in plain)
+            assert abs(total - total_plain) > 1e-3 * max(abs(total_plain), 1e-3)
+            assert rec["stare/mean_weight"] > 1.0 and rec["stare/positive_reweight_ratio"] > 0
+        else:
+            seen["off"] += 1
+            assert all(c["weights"] is None for c in mine)
+            for c, p in zip(mine, plain):
+                assert c["loss"] == pytest.approx(float(p), rel=1e-5, abs=1e-8)
+            assert rec["stare/mean_weight"] == 1.0 and rec["stare/positive_reweight_ratio"] == 0.0
+    assert seen["on"] >= 1 and seen["off"] >= 1, seen

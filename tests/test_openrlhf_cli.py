@@ -105,3 +105,20 @@ def test_another_openrlhf_version_is_refused_before_anything_is_written(tmp_path
     assert res.returncode == 1, res.stderr
     assert "written against openrlhf==0.11.2, found 0.11.0" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_telemetry_setting_travels_to_the_plugin_and_bad_values_exit_2(tmp_path):
+    res = stare("train", "--preset", "qwen-7b-short-cot", "--algo", "grpo", "--set", "telemetry=off",
+                "--out", "runs/a", "--dry-run", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    env = json.loads(plan["ray"]["runtime_env"]["env_vars"]["STARE_SETTINGS"])
+    assert env["algo"]["telemetry"] == "off" and plan["stare"] == {}
+    res = stare("train", "--preset", "qwen-7b-short-cot", "--algo", "stare", "--set", "telemetry=entropy",
+                "--out", "runs/a", "--dry-run", cwd=tmp_path)
+    assert json.loads(res.stdout)["stare"]["telemetry"] == "entropy"
+    res = stare("train", "--preset", "qwen-7b-short-cot", "--algo", "stare", "--set", "telemetry=some",
+                "--out", "runs/a", "--dry-run", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = (res.stderr + res.stdout).strip().splitlines()
+    assert len(lines) == 1 and "telemetry 'some'" in lines[0] and "full, entropy, off" in lines[0], lines

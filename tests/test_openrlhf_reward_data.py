@@ -50,10 +50,33 @@ def test_a_crash_inside_the_checker_scores_zero_and_is_counted(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("math-verify exploded")
 
-    monkeypatch.setattr(module, "score_many", boom)
+    monkeypatch.setattr(module, "check_many", boom)
     out = call(module.reward_func, ["\\boxed{33}", "\\boxed{33}"], ["33", "33"])
     assert out["rewards"].tolist() == [0.0, 0.0]
     assert out["extra_logs"]["stare/reward_error"].item() == 1.0
+    assert out["extra_logs"]["stare/reward_scoring_failed"].item() == 0.0
+
+
+def test_a_checker_that_cannot_run_is_counted_apart_from_wrong_answers(tmp_path, monkeypatch):
+    """Workers that cannot import math-verify: the batch scores 0 (never raised into the rollout) and the
+    zeros are counted as scoring failures, not as wrong answers or generic errors."""
+    from stare.eval.scoring import shutdown
+
+    module = load_reward_module()
+    (tmp_path / "math_verify.py").write_text("raise ImportError('math_verify is broken in this environment')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shutdown()
+    try:
+        out = call(module.reward_func, ["\\boxed{33}", "\\boxed{34}", "no box"], ["33", "33", "33"])
+    finally:
+        monkeypatch.undo()
+        shutdown()
+    assert out["rewards"].tolist() == [0.0, 0.0, 0.0]
+    logs = {k: v.item() for k, v in out["extra_logs"].items()}
+    assert logs["stare/reward_scoring_failed"] == 1.0 and logs["stare/reward_error"] == 0.0
+    assert logs["stare/reward_no_answer"] == pytest.approx(1 / 3)
+    out = call(module.reward_func, ["\\boxed{33}", "\\boxed{34}"], ["33", "33"])  # fixed: real scores again
+    assert out["rewards"].tolist() == [1.0, 0.0] and out["extra_logs"]["stare/reward_scoring_failed"].item() == 0.0
 
 
 def test_a_pathological_answer_is_bounded_in_time(monkeypatch):
@@ -73,6 +96,7 @@ def test_a_pathological_answer_is_bounded_in_time(monkeypatch):
     t.join(timeout=60)
     assert not t.is_alive()
     assert result["out"]["rewards"].tolist() == [0.0]
+    assert result["out"]["extra_logs"]["stare/reward_timeout"].item() == 1.0
     assert result["s"] < 30
 
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import yaml
 
-from stare.cli.local.report import load_run, permutation_test, plot_curves, summarise_arm, write_comparison
+from stare.cli.local.report import load_run, plot_curves, summarise_arm, write_comparison
+from stare.eval.metrics import permutation_test
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -105,7 +106,7 @@ def test_missing_eval_gives_blanks_and_a_note(tmp_path):
     (b / "config.yaml").write_text(yaml.safe_dump(cfg))
     summary = write_comparison(tmp_path / "out", [load_run(a), load_run(b)])
     rows = read_csv(tmp_path / "out" / "comparison.csv")
-    assert list(rows) == ["grpo", "dapo"]  # first-seen order
+    assert list(rows) == ["grpo", "dapo"]  # the registry's order
     assert rows["dapo"]["avg_at_8_mean"] == "" and rows["dapo"]["pass_at_8_mean"] == ""
     assert rows["dapo"]["greedy_accuracy_mean"] == ""
     assert rows["dapo"]["final_reward_mean"] != ""  # the training curve is still there
@@ -158,7 +159,7 @@ def test_hard_cases_and_permutation_p_value_vs_baseline(tmp_path):
                         eval_=held_out(0.5, 0.7, 0.5, hard=(0.1, 0.2)))
     summary = write_comparison(tmp_path / "out", [load_run(r) for r in runs + [one_seed]])
     arms = {a["arm"]: a for a in summary["arms"]}
-    assert list(arms) == ["dapo", "stare-phi", "grpo"]
+    assert list(arms) == ["grpo", "dapo", "stare-phi"]  # the registry's order, not the order given
     # stare's three values are the three largest of six: 1 split out of C(6, 3) = 20
     assert arms["stare-phi"]["p_hard_pass_vs_baseline"] == pytest.approx(1 / 20)
     assert arms["dapo"]["p_hard_pass_vs_baseline"] is None  # the baseline itself
@@ -259,3 +260,14 @@ def test_plots_are_png_files(tmp_path):
     for p in written:
         data = p.read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+
+
+def test_eval_json_field_names_old_and_new():
+    """eval.json's avg_at_k/pass_at_k (the names summary.json uses) are read, and so are the older avg_at_8/pass_at_8."""
+    from stare.cli.runs import held_out
+
+    assert held_out({"avg_at_k": 0.5, "pass_at_k": 0.75, "greedy_accuracy": 0.25}, 8) == \
+        {"avg_at_k": 0.5, "pass_at_k": 0.75, "greedy_accuracy": 0.25}
+    assert held_out({"avg_at_8": 0.5, "pass_at_8": 0.75}, 8) == {"avg_at_k": 0.5, "pass_at_k": 0.75,
+                                                                 "greedy_accuracy": None}
+    assert held_out({"avg_at_16": 0.5}, 8)["avg_at_k"] is None  # another k's field is not this k's

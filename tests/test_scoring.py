@@ -142,3 +142,83 @@ def test_pool_killed_under_a_batch_reruns_its_answers(caplog):
     worker.join(timeout=60)
     assert out == [[True] * len(pairs)]
     assert any("re-running answer" in r.getMessage() for r in caplog.records)
+
+
+# ---- callers without an importable __main__, and a checker that cannot run ---------------------------------------
+
+SCRIPT = """
+import sys
+sys.path[:0] = {path!r}
+import threading
+from stare.eval import is_correct, score_many
+out = []
+t = threading.Thread(target=lambda: out.append(is_correct(r"\\\\boxed{{30^\\\\circ}}", "30")))
+t.start()
+print(is_correct(r"\\\\boxed{{\\\\frac12}}", "0.5"), score_many([(r"\\\\boxed{{033}}", "33"), (r"\\\\boxed{{7}}", "-7")]))
+t.join()
+print(out)
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "-c"])
+def test_scoring_works_from_python_stdin_and_python_c(how, tmp_path):
+    """``python - <<EOF`` (``__main__`` is ``<stdin>``, which spawned workers cannot re-import) and ``python -c``,
+    each also from a thread."""
+    import subprocess
+    import sys
+
+    script = SCRIPT.format(path=sys.path)
+    argv, stdin = ([sys.executable, "-"], script) if how == "stdin" else ([sys.executable, "-c", script], None)
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-2:] == ["True [True, False]", "[True]"], proc.stderr
+    assert "scoring failed" not in proc.stderr
+
+
+def test_a_checker_that_cannot_start_raises_instead_of_scoring_zero(tmp_path, monkeypatch):
+    from stare.eval.scoring import ScoringError
+
+    (tmp_path / "math_verify.py").write_text("raise ImportError('math_verify is broken in this environment')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers get this process's sys.path
+    shutdown()  # no worker that already imported the real one
+    try:
+        with pytest.raises(ScoringError, match="could not start.*math_verify is broken in this environment"):
+            score_many([(r"\boxed{1}", "1"), (r"\boxed{2}", "3")])
+        with pytest.raises(ScoringError):
+            is_correct(r"\boxed{1}", "1")
+    finally:
+        monkeypatch.undo()
+        shutdown()
+    assert is_correct(r"\boxed{1}", "1") is True  # a working checker again once the environment is fixed
+
+
+def test_check_many_says_why_an_answer_scored_false():
+    from stare.eval.scoring import check_many
+
+    pairs = [(r"\boxed{33}", "33"), (r"\boxed{34}", "33"), ("no box", "33"), (r"\boxed{1}", ""), (HANGS, "1")]
+    assert check_many(pairs, timeout=2.0, workers=2) == ["correct", "wrong", "no_answer", "no_answer", "timeout"]
+
+
+def test_an_evaluation_of_only_empty_responses_says_so_in_one_line(tmp_path, caplog):
+    from stare.eval.data import Problem
+    from stare.eval.harness import Protocol, run_eval
+    from stare.eval.scoring import warn_if_all_empty
+
+    class Silent:  # a model that emits EOS at once
+        name = "silent"
+
+        def prompt_text(self, problem, instruction):
+            return problem
+
+        def generate(self, prompt, n, proto, seed):
+            return [("", 0)] * n
+
+    problems = [Problem("a", "qa", "12"), Problem("b", "qb", "7")]
+    caplog.set_level("WARNING")
+    s = run_eval(problems, Silent(), Protocol("stare", 3, 1.0, 0.7, 16), tmp_path, bench="aime24", model="m",
+                 seed=0, resume=False)
+    warned = [r.getMessage() for r in caplog.records if "responses are empty" in r.getMessage()]
+    assert s["avg_at_k"] == 0 and len(warned) == 1 and "\n" not in warned[0]
+    assert warned[0].startswith("all 6 responses are empty")
+    assert warn_if_all_empty(["", " \n", None]) is not None
+    assert warn_if_all_empty(["", "x"]) is None and warn_if_all_empty([]) is None

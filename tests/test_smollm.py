@@ -112,7 +112,7 @@ def test_two_grpo_steps_end_to_end(checkpoint, tmp_path):
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     assert [r["step"] for r in lines] == [1, 2]
     for r in lines:
-        assert math.isfinite(r["entropy"]) and r["entropy"] > 0 and math.isfinite(r["reward_mean"])
+        assert math.isfinite(r["stare/entropy"]) and r["stare/entropy"] > 0 and math.isfinite(r["reward_mean"])
     ev = json.loads((out / "eval.json").read_text())
     assert ev == result and ev["steps"] == 2 and 0 <= ev["avg_at_2"] <= 1
     assert (out / "final" / "model.safetensors").is_file()

@@ -337,11 +337,12 @@ def stare(*args):
 def test_eval_with_tools_end_to_end(tool_model, tmp_path):
     data = write_problems(tmp_path / "mini.jsonl")
     out = tmp_path / "ev"
-    res = stare("eval", "--bench", "aime25", "--model", str(tool_model), "--data-file", str(data), "--k", "2",
+    # greedy: one sample per problem (--k 1; greedy with k > 1 is refused)
+    res = stare("eval", "--bench", "aime25", "--model", str(tool_model), "--data-file", str(data), "--k", "1",
                 "--temperature", "0", "--max-tokens", "60", "--backend", "hf", "--out", str(out), "--tools", "python")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(rows) == 6
+    assert len(rows) == 3
     for r in rows:
         assert {"turns", "tool_calls", "tool_errors", "done_reason", "tool_output_tokens"} <= set(r)
         assert r["turns"] == r["tool_calls"] + 1 >= 2 and r["tool_errors"] == 0  # a tool turn, then an answer
@@ -349,10 +350,11 @@ def test_eval_with_tools_end_to_end(tool_model, tmp_path):
         assert f"```python\n{CODE_FOR[pid]}\n```\n```output\n{VALUE_FOR[pid]}\n```\n" in r["response"]
         assert r["done_reason"] == "answer" and r["extracted"] == VALUE_FOR[pid] and r["correct"]
         assert 0 < r["num_tokens"] and r["tool_output_tokens"] > 0
-        assert r["num_tokens"] + r["tool_output_tokens"] <= 60
+        assert r["num_tokens"] + r["tool_output_tokens"] <= 60 and r["truncated"] is False
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["mean_turns"] == sum(r["turns"] for r in rows) / 6
-    assert summary["mean_tool_calls"] == sum(r["tool_calls"] for r in rows) / 6 > 0
+    assert summary["mean_turns"] == sum(r["turns"] for r in rows) / 3
+    assert summary["mean_tool_calls"] == sum(r["tool_calls"] for r in rows) / 3 > 0
+    assert summary["truncated"] == 0.0 and summary["not_attempted"] == 0
     assert summary["tools"]["tool"] == "python" and summary["tools"]["format"] == "plain"
     assert summary["avg_at_k"] == 1.0
     assert "| mean tool calls |" in (out / "summary.md").read_text()
@@ -400,7 +402,7 @@ def test_tools_on_the_vllm_backend_interface(tokenizers):
     assert xa["turns"] == 2 and xa["tool_calls"] == 1 and xa["answer_text"] == "So \\boxed{33}"
     assert a.startswith("```python\nprint(3 * 11)\n```\n```output\n33\n```\n") and a.endswith("So \\boxed{33}")
     assert xb == {"answer_text": None, "turns": 1, "tool_calls": 0, "tool_errors": 0, "done_reason": "no_action",
-                  "tool_output_tokens": 0}
+                  "tool_output_tokens": 0, "truncated": False}
     assert n_b == len(tok("no clue", add_special_tokens=False)["input_ids"])  # EOS not counted
 
 
@@ -445,3 +447,56 @@ def test_harness_scores_the_answer_turn_and_averages_turns(tmp_path):
     assert [r["correct"] for r in rows] == [True, False] and set(rows[0]) == {
         "problem_id", "sample_idx", "response", "extracted", "correct", "num_tokens"}
     assert "mean_turns" not in s and "tools" not in s and s["avg_at_k"] == 0.5
+
+
+def test_tools_on_vllm_context_full_ends_one_sample_and_seeds_are_distinct(tokenizers, tmp_path, monkeypatch):
+    """Against the strict vLLM stand-in: sample 0's tool output fills the model's context, so it ends as truncated
+    (vLLM would refuse the whole next batch for its prompt); sample 1 answers in the same batch. Every turn of
+    every sample has its own seed; turn 0 uses the sample's seed."""
+    from vllm_standin import make_vllm, scripted
+
+    from stare.cli.agent.multiturn import ToolUseBackend
+    from stare.eval.harness import Protocol, make_backend
+
+    tok = tokenizers[0]
+    folder = tmp_path / "m"
+    build_tiny_model(folder)
+    prompt = f"Q\n{INSTRUCTION} {TOOL_INSTRUCTION}"
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    action = "```python\nprint('x ' * 300)\n```\n```output"
+    n_action = len(tok(action, add_special_tokens=False)["input_ids"])
+    context = n_prompt + n_action + 40  # room for the action, not for its 300-word output
+    base = 1000
+
+    asked = []
+
+    def model(child):  # the first turn asked for (sample 0's first) writes code; every other turn answers
+        asked.append(child.seed)
+        text = action if len(asked) == 1 else "So \\boxed{33}"
+        return scripted(tok, lambda p, j: text, eos=True)(child)
+
+    module, calls = make_vllm(model, max_model_len=context)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    backend = ToolUseBackend(make_backend("vllm", str(folder)), ToolConfig(max_turns=3))
+    (a, _, xa), (b, _, xb) = backend.generate(prompt, 2, Protocol("stare", 2, 1.0, 0.7, 4000), seed=base)
+    assert backend.context_length == context
+    assert xa["done_reason"] == "context" and xa["truncated"] and xa["tool_calls"] == 1
+    assert "```output\nx x x" in a  # the output that filled the context is in the transcript
+    assert xb["done_reason"] == "answer" and not xb["truncated"] and xb["answer_text"] == "So \\boxed{33}"
+    assert len(calls["generate"]) == 1  # sample 0 never went back to the engine with a full context
+    seeds = [c["seed"] for c in calls["samples"]]
+    assert seeds == [base, base + 1]
+    # a prompt that does not fit raises PromptTooLong (the harness records the problem as not attempted)
+    from stare.eval.harness import PromptTooLong
+
+    with pytest.raises(PromptTooLong):
+        backend.generate("x " * context, 2, Protocol("stare", 2, 1.0, 0.7, 40), seed=base)
+
+
+def test_tool_turn_seeds_are_distinct_across_a_run():
+    from stare.eval.harness import problem_seed, turn_seed
+
+    k, n, turns = 4, 30, 6
+    seeds = [turn_seed(problem_seed(3, i, k) + j, r) for i in range(n) for j in range(k) for r in range(turns)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**64 for s in seeds)
+    assert all(turn_seed(s, 0) == s and turn_seed(s, 1) >= 2**63 for s in seeds[:10])

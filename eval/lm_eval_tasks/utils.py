@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from stare.eval.data import _answer_str, repair_escapes
+from stare.eval.data import answer_str, repair_escapes
 from stare.eval.harness import BOXED_INSTRUCTION
 from stare.eval.metrics import majority_votes
 from stare.eval.scoring import extract_boxed, score_many
@@ -31,7 +31,7 @@ def process_docs(dataset):
         if problem is None or answer is None:
             raise ValueError(f"row {index} has no problem or answer field (fields: {sorted(row)})")
         return {"id": str(index) if rid is None or str(rid).strip() == "" else str(rid).strip(),
-                "problem": repair_escapes(str(problem)), "answer": _answer_str(answer)}
+                "problem": repair_escapes(str(problem)), "answer": answer_str(answer)}
 
     from datasets import Features, Value
 

@@ -130,6 +130,46 @@ def _covering(paths):
     return out
 
 
+def _interpreter_folders(cfg):
+    """What the code's interpreter reads: ``sys.path``, the caller's site-packages and its prefix folders (a venv's
+    root and ``bin/``, wherever it lives)."""
+    return _covering(list(sys.path) + list(cfg.get("site_dirs", [])) + list(cfg.get("interpreter_dirs", [])) +
+                     [os.path.dirname(os.path.realpath(sys.executable))])
+
+
+def _reroute_unreachable(folders):
+    """Make ``folders`` importable after the switch to ``nobody`` even where a parent is closed to it (a venv
+    under /root): each one nobody cannot reach is opened now (``O_PATH``) and ``sys.path``, the passed
+    site-packages and every loaded package's ``__path__`` are pointed at ``/proc/self/fd/N/...``. A process
+    always reaches its own descriptors, and from there on only the permissions of the folder itself and
+    what lies below it count. Returns the descriptors (kept open for the process's life)."""
+    fds = {d: os.open(d, os.O_PATH | os.O_DIRECTORY) for d in folders if not _traversable_by_others(d)}
+    if not fds:
+        return fds
+
+    def moved(path):
+        if not isinstance(path, str):
+            return path
+        real = os.path.realpath(path)
+        for d in sorted(fds, key=len, reverse=True):
+            if real == d or real.startswith(d + "/"):
+                return f"/proc/self/fd/{fds[d]}" + real[len(d):]
+        return path
+
+    sys.path[:] = [moved(p) for p in sys.path]
+    for module in list(sys.modules.values()):
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):
+            search[:] = [moved(p) for p in search]
+    return fds
+
+
+def _become_nobody():
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
 def _traversable_by_others(path):
     """Can a uid that owns nothing here reach and list ``path`` (o+x on every parent, o+rx on it)?"""
     parts = os.path.realpath(path).split("/")
@@ -157,8 +197,7 @@ def _setup_namespace_mounts(libc, cfg, scratch, layers, notes, owner):
         layers.append("private_proc")
     except OSError as exc:
         notes.append(f"private /proc unavailable ({exc}); /proc shows the host's processes")
-    keep = _covering(list(sys.path) + list(cfg.get("site_dirs", [])) +
-                     [os.path.dirname(os.path.realpath(sys.executable))])
+    keep = _interpreter_folders(cfg)
     fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
     try:
         libc.mount_setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
@@ -214,12 +253,24 @@ def _set_rlimits(limits, layers, notes):
     layers.append("rlimits")
 
 
-def _install_audit_hook(scratch, allow_subprocess, protected_pids):
+def _install_audit_hook(scratch, allow_subprocess, protected_pids, read_ok=None):
     """Best-effort interpreter-level guard (PEP 578 hooks are not a security boundary on their own; the kernel
     layers are): no network, no writes outside scratch, no new processes, no ctypes calls, no other process's
-    /proc entries, no tampering with the hook."""
+    /proc entries, no tampering with the hook.
+
+    ``read_ok`` (the fallback without a mount namespace, where the code sees the host's files): folders that may
+    be read besides the scratch directory, ``/dev/null``, ``/dev/urandom`` and this process's own ``/proc``
+    entries; every other open, directory listing or database is refused, and so are new symbolic links (a
+    link swapped between the check and the open would lead outside)."""
     scratch = os.path.realpath(scratch)
     own_pid = os.getpid()
+    guard_reads = read_ok is not None
+    read_dirs = tuple(os.path.realpath(d).rstrip("/") + "/" for d in (read_ok or ()))
+    read_files = frozenset({"/dev/null", "/dev/urandom", "/dev/random", "/dev/zero", "/dev/stdin", "/dev/stdout",
+                            "/dev/stderr"})
+    # this process's own /proc files (status, limits, maps, ...), not its magic links to other places
+    own_proc = re.compile(rf"^/proc/(self|thread-self|{own_pid})(/task/\d+)?"
+                          r"(/(?!(root|cwd|fd|fdinfo|map_files|exe)$)[^/]+)?$")
     protected = frozenset(protected_pids)
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     write_ok = frozenset({"/dev/null", "/dev/stdout", "/dev/stderr", "/dev/zero"})
@@ -258,6 +309,19 @@ def _install_audit_hook(scratch, allow_subprocess, protected_pids):
             return False
         return p == scratch or p.startswith(scratch + "/") or p in write_ok
 
+    def readable(path):
+        if isinstance(path, int) or path is None:
+            return True  # an open descriptor (its opening was checked) or the cwd (the scratch directory)
+        try:
+            p = os.path.realpath(os.fsdecode(path))  # symbolic and /proc magic links followed
+        except (TypeError, ValueError):
+            return False
+        return (inside(p) or p in read_files or p.startswith(read_dirs) or (p + "/") in read_dirs or
+                bool(own_proc.match(p)))
+
+    read_events = {"os.listdir": 0, "os.scandir": 0, "sqlite3.connect": 0, "sqlite3.connect/handle": None,
+                   "glob.glob": None}
+
     def hook(event, args):
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
@@ -272,6 +336,15 @@ def _install_audit_hook(scratch, allow_subprocess, protected_pids):
             if mode is None and not inside(path) and isinstance(path, (str, bytes)) and \
                     os.path.isdir(os.fsdecode(path)):
                 deny(f"opening a directory outside the scratch directory is not allowed ({path!r})")
+            if guard_reads and not readable(path):
+                deny(f"reading outside the scratch directory and the interpreter's folders is not allowed ({path!r})")
+        elif guard_reads and event in read_events:
+            i = read_events[event]
+            if i is not None and i < len(args) and not readable(args[i]) and args[i] != ":memory:":
+                deny(f"reading outside the scratch directory and the interpreter's folders is not allowed "
+                     f"({event} {args[i]!r})")
+        elif guard_reads and event == "os.symlink":
+            deny("creating symbolic links is not allowed")
         elif event in path_events:
             paths, dir_fds = path_events[event]
             if any(i < len(args) and args[i] not in (None, -1, AT_FDCWD) for i in dir_fds):
@@ -361,32 +434,29 @@ def _runner(cfg, status_fd, use_ns, mapped_nobody, libc):
     scratch = cfg["scratch"]
     root_caller = cfg["caller_uid"] == 0
     try:
+        for p in cfg.get("site_dirs", []):  # before any rerouting below
+            if p not in sys.path:
+                sys.path.append(p)
         if use_ns:
             layers += ["user_namespace", "net_namespace", "pid_namespace", "ipc_namespace"]
             drop_to_nobody = root_caller and mapped_nobody
             owner = (NOBODY, NOBODY) if drop_to_nobody else (os.getuid(), os.getgid())
             keep = _setup_namespace_mounts(libc, cfg, scratch, layers, notes, owner)
             os.chdir(scratch)
-            if drop_to_nobody and all(_traversable_by_others(p) for p in keep):
-                os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
+            if drop_to_nobody:
+                _reroute_unreachable(keep)
+                _become_nobody()
                 layers.append("uid_nobody")
-            elif drop_to_nobody:
-                notes.append("the interpreter's folders are not readable by nobody: stays root-mapped, no caps")
         else:
             os.setpgid(0, 0)
+            keep = _interpreter_folders(cfg)
             if root_caller and cfg.get("drop_uid", True):
-                keep = _covering(list(sys.path) + list(cfg.get("site_dirs", [])))
-                if all(_traversable_by_others(p) for p in keep + [os.path.dirname(scratch)]):
-                    os.chown(scratch, NOBODY, NOBODY)
-                    os.setgroups([])
-                    os.setgid(NOBODY)
-                    os.setuid(NOBODY)
-                    layers.append("uid_nobody")
-                else:
-                    notes.append("running as root: the interpreter's folders are not readable by nobody, "
-                                 "so the code keeps root's file permissions")
+                os.chown(scratch, NOBODY, NOBODY)
+                if _reroute_unreachable(keep):
+                    notes.append("the interpreter's folders are closed to nobody: imported through "
+                                 "/proc/self/fd (child interpreters cannot start)")
+                _become_nobody()
+                layers.append("uid_nobody")
         if libc is not None:
             try:
                 libc.prctl(PR_SET_SECUREBITS, SECBITS_LOCK_ROOT)
@@ -407,12 +477,10 @@ def _runner(cfg, status_fd, use_ns, mapped_nobody, libc):
             except OSError:
                 pass
         _set_rlimits(cfg["limits"], layers, notes)
-        for p in cfg.get("site_dirs", []):
-            if p not in sys.path:
-                sys.path.append(p)
         if cfg.get("audit", True):
             _install_audit_hook(scratch, cfg.get("allow_subprocess", False),
-                                [cfg["caller_pid"], os.getppid()] if not use_ns else [])
+                                [cfg["caller_pid"], os.getppid()] if not use_ns else [],
+                                read_ok=None if use_ns else keep)
             layers.append("audit_hook")
         _write_status(status_fd, stage="layers", layers=layers, notes=notes, uid=os.getuid())
     except BaseException as exc:  # noqa: BLE001 - a layer that must hold did not: run nothing

@@ -8,8 +8,8 @@ One ``ToolEpisode`` per sampled answer. After each model turn the driver (OpenRL
   observation (stdout, stderr, a one-line tool error; each cut to a set size) comes back wrapped in the model's
   chat format, for the driver to append to the context;
 - else (no code, no answer): the episode ends (``no_action``);
-- a turn limit (``max_turns`` model turns) or an exhausted token budget (the driver says how much is left) also
-  ends it.
+- a turn limit (``max_turns`` model turns), an exhausted token budget or a full model context (the driver says
+  how much of each is left) also ends it (``max_turns``, ``token_budget``, ``context``).
 
 The reward is the math-verify check (``stare.eval.is_correct``) of the final answer turn only, so a ``\\boxed{}``
 printed by a tool never counts as the model's answer.
@@ -233,16 +233,18 @@ class ToolEpisode:
     turns: int = 0
     tool_calls: list[ToolCall] = field(default_factory=list)
     done: bool = False
-    done_reason: str | None = None  # answer | no_action | max_turns | token_budget
+    done_reason: str | None = None  # answer | no_action | max_turns | token_budget | context
     final_text: str | None = None  # the turn that gave the final answer
     answer: str | None = None
 
-    def step(self, action_text: str, *, ended_turn: bool = True, budget_left: int | None = None) -> str:
+    def step(self, action_text: str, *, ended_turn: bool = True, budget_left: int | None = None,
+             context_left: int | None = None) -> str:
         """Take one model turn; return the text to append to the context ('' once the episode is done).
 
         ``ended_turn``: the turn ended with the model's end-of-turn token (chat format; a turn cut by a stop
         string or a closing fence did not). ``budget_left``: tokens the episode may still add after this turn
-        (None: the driver enforces the budget itself)."""
+        (None: the driver enforces the budget itself). ``context_left``: room left in the model's context after
+        this turn (None: unknown); at 0 no tool is run and the episode ends as ``context``."""
         if self.done:
             raise RuntimeError("step() on a finished episode")
         self.turns += 1
@@ -255,6 +257,8 @@ class ToolEpisode:
             return self._finish("max_turns")
         if budget_left is not None and budget_left <= 0:
             return self._finish("token_budget")
+        if context_left is not None and context_left <= 0:
+            return self._finish("context")
         result = self.runner(action.code, timeout_s=self.config.timeout_s, memory_mb=self.config.memory_mb,
                              max_output_chars=max(self.config.max_output_chars, 1024))
         body = observation_body(result, self.config.max_output_chars)

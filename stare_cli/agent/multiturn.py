@@ -10,13 +10,22 @@ tool calls (in parallel threads, one sandbox each), appends the wrapped observat
   (``python_agent.py``): at EOS / end-of-turn in the chat format, at ```` ```output ```` in the plain one.
 
 The token budget (``proto.max_tokens``) covers everything after the prompt, model turns and tool output alike,
-as OpenRLHF's ``max_len`` does. Each sample returns ``(transcript, model_tokens, extra)``: the transcript holds
-turns and observations; ``extra`` has ``answer_text`` (the final answer turn, the only text scored), ``turns``,
-``tool_calls``, ``tool_errors``, ``tool_output_tokens`` and ``done_reason``.
+as OpenRLHF's ``max_len`` does. The model's context (the inner backend's ``context_length``) bounds each turn
+too: a sample whose context is full ends (``done_reason`` ``context``) while the others go on, since vLLM refuses a
+whole batch when one prompt fills the context; a prompt that does not fit at all raises ``PromptTooLong``. Each
+sample returns ``(transcript, model_tokens, extra)``: the transcript holds turns and observations; ``extra`` has
+``answer_text`` (the final answer turn, the only text scored), ``turns``, ``tool_calls``, ``tool_errors``,
+``tool_output_tokens``, ``done_reason`` and ``truncated`` (the token budget or the context cut the sample).
+
+Seeds: turn 0 of sample j draws from the harness's sample seed ``seed + j``, later turns from
+``stare.eval.harness.turn_seed`` (never a sample seed); the HF backend seeds a round's batch with
+``turn_seed(seed, round)``.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+
+from stare.eval.harness import PromptTooLong, is_greedy, turn_seed
 
 from .loop import TOOL_INSTRUCTION, ToolConfig, ToolEpisode, format_for, turn_is_complete
 
@@ -40,6 +49,7 @@ class ToolUseBackend:
                            "timeout_s": self.config.timeout_s, "memory_mb": self.config.memory_mb,
                            "max_output_chars": self.config.max_output_chars, "instruction": TOOL_INSTRUCTION}
         self._stop_ids = self._end_token_ids()
+        self.context_length = getattr(inner, "context_length", None)
 
     def _end_token_ids(self) -> list[int]:
         tok = self.tokenizer
@@ -57,17 +67,29 @@ class ToolUseBackend:
     def prompt_text(self, problem: str, instruction: str) -> str:
         return self.inner.prompt_text(problem, f"{instruction} {TOOL_INSTRUCTION}")
 
+    def prompt_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
     # ------------------------------------------------------------------------------------------------
 
     def generate(self, prompt: str, n: int, proto, seed: int) -> list[tuple[str, int, dict]]:
         tok = self.tokenizer
         prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        context = self.context_length
+        if context is not None and len(prompt_ids) >= context:
+            raise PromptTooLong(len(prompt_ids), context)
+
+        def room(i):  # tokens sample i may still add: its budget, and the model's context
+            left = proto.max_tokens - used[i]
+            return left if context is None else min(left, context - len(ctx[i]))
+
         episodes = [ToolEpisode(config=self.config, fmt=self.fmt) for _ in range(n)]
         ctx = [list(prompt_ids) for _ in range(n)]
         transcript = [""] * n
         model_tokens = [0] * n
         used = [0] * n  # tokens after the prompt: model turns (with their end tokens) + tool output
         tool_tokens = [0] * n
+        cut = [False] * n  # the sample's last turn used all the room it had
         rnd = 0
         with ThreadPoolExecutor(max_workers=max(1, min(n, 8))) as pool:
             while True:
@@ -76,19 +98,25 @@ class ToolUseBackend:
                     if proto.max_tokens - used[i] <= 0:
                         episodes[i].stop("token_budget")
                         active.remove(i)
+                    elif context is not None and len(ctx[i]) >= context:  # a tool output filled the context
+                        episodes[i].stop("context")
+                        active.remove(i)
                 if not active:
                     break
-                turns = self._turn([ctx[i] for i in active], [proto.max_tokens - used[i] for i in active], proto,
-                                   seed * 7919 + rnd)
+                budgets = [room(i) for i in active]
+                turns = self._turn([ctx[i] for i in active], budgets, proto,
+                                   [turn_seed(seed + i, rnd) for i in active], turn_seed(seed, rnd))
                 rnd += 1
-                for i, (ids, text, ended) in zip(active, turns):
+                for i, budget, (ids, text, ended) in zip(active, budgets, turns):
+                    cut[i] = not ended and len(ids) >= budget
                     ctx[i] += ids
                     used[i] += len(ids)
                     model_tokens[i] += len(ids) - (1 if ended else 0)
                     transcript[i] += text + (self.fmt.turn_end if ended else "")
 
                 def step(i, text, ended):
-                    return episodes[i].step(text, ended_turn=ended, budget_left=proto.max_tokens - used[i])
+                    return episodes[i].step(text, ended_turn=ended, budget_left=proto.max_tokens - used[i],
+                                            context_left=None if context is None else context - len(ctx[i]))
 
                 feedbacks = list(pool.map(lambda a: step(*a), [(i, t, e) for i, (_, t, e) in zip(active, turns)]))
                 for i, fb in zip(active, feedbacks):
@@ -100,15 +128,18 @@ class ToolUseBackend:
                         transcript[i] += fb
         out = []
         for i, ep in enumerate(episodes):
-            extra = {"answer_text": ep.final_text, **ep.summary(), "tool_output_tokens": tool_tokens[i]}
+            truncated = cut[i] or ep.done_reason in ("token_budget", "context")
+            extra = {"answer_text": ep.final_text, **ep.summary(), "tool_output_tokens": tool_tokens[i],
+                     "truncated": truncated}
             out.append((transcript[i], model_tokens[i], extra))
         return out
 
-    def _turn(self, seqs, budgets, proto, seed):
-        """One generated turn per sequence: ``(token ids incl. a closing end token, text, ended_with_end_token)``."""
+    def _turn(self, seqs, budgets, proto, row_seeds, batch_seed):
+        """One generated turn per sequence: ``(token ids incl. a closing end token, text, ended_with_end_token)``.
+        vLLM seeds each sequence (``row_seeds``), HF the batch (``batch_seed``)."""
         if self.inner.name == "hf":
-            return self._hf_turn(seqs, budgets, proto, seed)
-        return self._vllm_turn(seqs, budgets, proto, seed)
+            return self._hf_turn(seqs, budgets, proto, batch_seed)
+        return self._vllm_turn(seqs, budgets, proto, row_seeds)
 
     def _finish_row(self, ids: list[int], budget: int, stopped_by_fence: bool):
         ended = False
@@ -152,7 +183,7 @@ class ToolUseBackend:
                             done[b] = True
                 return done
 
-        sampling = proto.temperature > 0
+        sampling = not is_greedy(proto)
         torch.manual_seed(seed)
         device = self.inner.device
         with torch.no_grad():
@@ -167,13 +198,13 @@ class ToolUseBackend:
             rows.append(self._finish_row(row[:stopped_at[b]] if fence else row, budgets[b], fence))
         return rows
 
-    def _vllm_turn(self, seqs, budgets, proto, seed):
-        sampling = proto.temperature > 0
+    def _vllm_turn(self, seqs, budgets, proto, seeds):
+        sampling = not is_greedy(proto)
         make = self.inner._sampling_params
         params = [make(n=1, temperature=proto.temperature, top_p=proto.top_p if sampling else 1.0, max_tokens=budget,
-                       seed=seed * 1009 + b, stop=self.fmt.stop_strings or None, include_stop_str_in_output=True,
+                       seed=seed, stop=self.fmt.stop_strings or None, include_stop_str_in_output=True,
                        stop_token_ids=self._stop_ids)
-                  for b, budget in enumerate(budgets)]
+                  for seed, budget in zip(seeds, budgets)]
         requests = self.inner.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
         rows = []
         for budget, req in zip(budgets, requests):

@@ -14,7 +14,8 @@ probes once and tells which this machine gives):
   process it started dies with it, even ones that called ``setsid``. A private ``/proc`` shows only the
   sandbox's processes. The whole file system is remounted read-only; ``/tmp``, ``/var/tmp``, ``/dev/shm``,
   ``/run``, ``/root``, ``/home``, ``/mnt``, ``/media``, ``/srv`` are hidden behind empty read-only tmpfs mounts
-  (the interpreter's own folders are bound back read-only); the only writable place is the scratch directory,
+  (the interpreter's own folders, a venv's root and ``bin/`` included, are bound back read-only, so
+  ``sys.executable`` of a venv anywhere exists inside); the only writable place is the scratch directory,
   a size-capped tmpfs. When the caller is root, the code runs as ``nobody`` (uid 65534, mapped into the
   namespace), so RLIMIT_NPROC applies; all capabilities are dropped, ``no_new_privs`` is set.
 - **rlimits**: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC (processes and threads; not enforced
@@ -29,10 +30,14 @@ probes once and tells which this machine gives):
 
 Without user namespaces (``isolation == "basic"``: e.g. Docker's default seccomp profile) the fallback keeps the
 fresh interpreter, empty environment, rlimits, audit hook and the wall-clock kill; the supervisor is a child
-subreaper, so orphans of the code land on it and are killed; a root caller's code runs as ``nobody`` when the
-interpreter is readable by it. What is then *not* isolated at the kernel level: the network (only the audit
-hook blocks it), writes to files the code's uid may write (likewise), reading files readable by that uid, and
-process creation through ctypes (bounded by RLIMIT_NPROC only for a non-root uid).
+subreaper, so orphans of the code land on it and are killed; a root caller's code always runs as ``nobody``
+(interpreter folders that nobody cannot enter, such as a venv under /root, are opened before the switch and
+imported through ``/proc/self/fd``; a child interpreter cannot start from there). The audit hook then also
+refuses reads outside an allow-list: the interpreter's prefix, ``sys.path`` and site-packages, the scratch
+directory, ``/dev/null``/``/dev/urandom`` and the process's own ``/proc`` files (and new symbolic links).
+What is then *not* isolated at the kernel level: the network (only the audit hook blocks it), writes to and
+reads of files the code's uid may use (likewise), and process creation through ctypes (bounded by
+RLIMIT_NPROC only for a non-root uid).
 
 ``STARE_SANDBOX_ISOLATION`` = ``auto`` (default), ``namespaces`` (fail when unavailable) or ``basic``.
 """
@@ -45,6 +50,7 @@ import re
 import select
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import sysconfig
@@ -145,6 +151,33 @@ def _isolation_mode(isolation: str | None) -> str:
     return mode
 
 
+def _unique(paths) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        if p and p not in out:
+            out.append(p)
+    return out
+
+
+def _site_dirs() -> list[str]:
+    """The caller's site-packages folders, in its order: a venv's own and, with ``--system-site-packages``, the
+    base interpreter's (the sandbox runs ``-S``, so it sees only what is passed here)."""
+    try:
+        found = list(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site module
+        found = []
+    return _unique(found + [sysconfig.get_paths()[k] for k in ("purelib", "platlib")])
+
+
+def _interpreter_dirs(python: str | None) -> list[str]:
+    """Folders the sandboxed interpreter needs besides ``sys.path``: its prefix (a venv's root holds
+    ``pyvenv.cfg`` and ``bin/``), the base prefix, and the folder of the executable as named and as resolved,
+    so that ``sys.executable`` exists inside the sandbox wherever the venv lives."""
+    exe = python or sys.executable
+    dirs = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix] if python is None else []
+    return _unique(dirs + [os.path.dirname(os.path.abspath(exe)), os.path.dirname(os.path.realpath(exe))])
+
+
 def _write_id_maps(pid: int) -> bool:
     """Map ids into the sandbox's user namespace from here (its parent namespace). Root maps itself and nobody
     (the code then runs as nobody); another user maps only itself. True when nobody is mapped."""
@@ -226,7 +259,8 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: float | None = None
         "code": code, "namespaces": want_ns, "scratch": scratch, "caller_uid": os.geteuid(),
         "caller_pid": os.getpid(), "allow_subprocess": bool(allow_subprocess), "audit": bool(_audit),
         "repl_last_expr": bool(repl_last_expr),
-        "site_dirs": sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}),
+        "site_dirs": _site_dirs(),
+        "interpreter_dirs": _interpreter_dirs(python),
         "limits": {"timeout_s": float(timeout_s), "cpu_s": max(1, int(round(cpu_s if cpu_s is not None else timeout_s))),
                    "memory_mb": int(memory_mb), "nproc": int(nproc), "file_size_mb": int(file_size_mb)},
         "scratch_mb": int(scratch_mb),

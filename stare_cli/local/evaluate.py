@@ -1,4 +1,9 @@
-"""Held-out evaluation of a local policy: avg@k, pass@k and greedy accuracy (overall and on hard cases)."""
+"""Held-out evaluation of a local policy: avg@k, pass@k and greedy accuracy (overall and on hard cases).
+
+``eval.json`` shares its field names with ``stare eval``'s ``summary.json``: ``k``, ``n_problems``, ``avg_at_k``,
+``pass_at_k`` (and ``greedy_accuracy``, which only the local engine measures). The names with k in them
+(``avg_at_8``, ``pass_at_8``) are written too, for a deprecation period: read ``avg_at_k`` in new code.
+"""
 from __future__ import annotations
 
 import torch
@@ -28,12 +33,11 @@ def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, se
     def summarise(rows: list[int]) -> dict:
         if not rows:
             return {}
-        return {
-            "n_problems": len(rows),
-            f"avg_at_{k}": avg_at_k([correct[i] for i in rows]),
-            f"pass_at_{k}": pass_at_k_mean([correct[i] for i in rows], k),
-            "greedy_accuracy": sum(greedy[i] for i in rows) / len(rows),
-        }
+        avg, pas = avg_at_k([correct[i] for i in rows]), pass_at_k_mean([correct[i] for i in rows], k)
+        # avg_at_k / pass_at_k as in stare eval's summary.json; avg_at_{k} / pass_at_{k} are the older names, still
+        # written for the scripts that read them (deprecated)
+        return {"n_problems": len(rows), "avg_at_k": avg, "pass_at_k": pas, f"avg_at_{k}": avg, f"pass_at_{k}": pas,
+                "greedy_accuracy": sum(greedy[i] for i in rows) / len(rows)}
 
     out = {"k": k, "temperature": temperature, **summarise(list(range(len(problems))))}
     hard = [i for i, p in enumerate(problems) if p.hard]

@@ -20,7 +20,8 @@ from . import progress as bars
 from .trainer import LocalTrainer, check_run_dir, prepare_run_dir
 
 
-def _quiet() -> None:
+def quiet() -> None:
+    """Silence library chatter (tokenizers, hub progress bars, warnings, transformers' logging) in this process."""
     import os
     import warnings
 
@@ -36,8 +37,11 @@ def _quiet() -> None:
         pass
 
 
+_quiet = quiet  # the older private name
+
+
 def _warmstart_job(resolved: dict, folder: str) -> str:
-    _quiet()
+    quiet()
     import torch
 
     from .models import initial_policy
@@ -48,7 +52,7 @@ def _warmstart_job(resolved: dict, folder: str) -> str:
 
 
 def _arm_job(resolved: dict, run_dir: str, warmstart_dir: str | None, resume: bool) -> dict:
-    _quiet()
+    quiet()
     trainer = LocalTrainer(resolved, Path(run_dir), warmstart_dir=Path(warmstart_dir) if warmstart_dir else None)
     return trainer.run(resume=resume)
 

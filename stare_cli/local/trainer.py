@@ -6,11 +6,14 @@ Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin mak
    rewards are all equal are dropped and more prompts sampled, up to ``max_gen_rounds`` rounds;
 2. ``group_advantages`` (plus DAPO's overlong penalty where the algorithm asks for it);
 3. one no-grad pass of the old policy: log-probs and ``entropy_sensitivity`` (entropy, surprisal, Phi);
-4. the controller's update, once, from the batch's mean token entropy;
-5. ``stare_token_weights`` once over the whole step's batch;
+4. the shuffled split into ``mini_batches`` mini-batches of micro-batches (``micro_batch_size`` sequences);
+5. ``stare_step`` (the block the OpenRLHF plugin runs too): the controller's update, once, from the batch's mean
+   token entropy; the weights, once over the whole step's batch (``scope: global``) or inside each of the
+   micro-batches of 4. (``scope: micro_batch``); the ``stare/*`` telemetry;
 6. ``mini_batches`` optimizer steps of ``policy_loss``, each accumulated over micro-batches with the
    mini-batch's global token and sequence counts;
-7. one JSON line in ``metrics.jsonl``, and a checkpoint every ``save_every`` steps.
+7. one more no-grad pass over the same batch for ``stare/entropy_change_same_batch``; one JSON line in
+   ``metrics.jsonl``, and a checkpoint every ``save_every`` steps.
 
 A checkpoint holds the model, optimizer, controller and every RNG state, so a killed run resumed with
 ``--resume`` ends with the same metrics as an uninterrupted one (CPU arithmetic is deterministic).
@@ -29,71 +32,25 @@ import yaml
 
 from stare.algorithms import (
     AlgoConfig,
+    StepMemory,
+    batch_mean,
     entropy_sensitivity,
     group_advantages,
     informative_groups,
-    masked_mean,
     overlong_penalty,
     policy_loss,
-    predicted_entropy_change,
-    quadrant_stats,
-    reweight_stats,
-    stare_token_weights,
+    stare_step,
 )
 
 from .evaluate import evaluate_policy
 from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
 from .tasks import get_task
 
+# the run-folder helpers live in stare.cli.rundir (the OpenRLHF backend uses them too); imported here for old imports
+from ..rundir import RunDirError, atomic_write as _atomic_write, check_run_dir, prepare_run_dir  # noqa: F401
+
 CHECKPOINT = "checkpoint"
 FINAL = "final"
-
-
-class RunDirError(ValueError):
-    """The run directory cannot be used as asked (another run there, nothing to resume): exit code 2."""
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
-    """Check, without touching anything, that ``run_dir`` can take this run.
-
-    Returns True when the directory already holds this run (to be resumed). Raises ``RunDirError`` for another
-    preset's or algorithm's run, a run started with other settings, an existing run without ``resume``,
-    ``resume`` with nothing to resume, or a non-empty folder that is not a stare run.
-    """
-    config = run_dir / "config.yaml"
-    if config.exists():
-        old = yaml.safe_load(config.read_text()) or {}
-        if old.get("preset") != resolved["preset"] or old.get("algo", {}).get("name") != resolved["algo"]["name"]:
-            raise RunDirError(
-                f"{run_dir} holds a run of preset {old.get('preset')!r} with algorithm "
-                f"{old.get('algo', {}).get('name')!r}; use another --out (nothing was changed)")
-        if not resume:
-            raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it or use another --out "
-                              "(nothing was changed)")
-        if old != resolved:
-            raise RunDirError(f"{run_dir} was started with other settings; resume it with the same --set values "
-                              "(see its config.yaml)")
-        return True
-    if resume:
-        raise RunDirError(f"nothing to resume in {run_dir}: no config.yaml there")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(f"{run_dir} is not empty and holds no stare run; use another --out (nothing was changed)")
-    return False
-
-
-def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
-    """``check_run_dir``, then create the directory and its ``config.yaml`` for a new run."""
-    existing = check_run_dir(run_dir, resolved, resume)
-    if not existing:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    return existing
 
 
 class LocalTrainer:
@@ -118,6 +75,7 @@ class LocalTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.s["lr"], weight_decay=0.0,
                                      betas=(0.9, 0.99))
         self.controller = self.algo.make_controller()
+        self.memory = StepMemory()  # the previous step's batch entropy and forecast
         self.gen = torch.Generator().manual_seed(self.s["seed"])
         self.py_rng = random.Random(f"rl:{self.s['seed']}")
         self.pool = self.task.problems(self.s["train_problems"], seed=self.s["seed"], split="train")
@@ -134,6 +92,7 @@ class LocalTrainer:
             "step": self.step,
             "optimizer": self.opt.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
+            "memory": self.memory.as_dict(),
             "generator": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "py_rng": self.py_rng.getstate(),
@@ -153,6 +112,7 @@ class LocalTrainer:
         self.opt.load_state_dict(state["optimizer"])
         if self.controller is not None:
             self.controller.load_state_dict(state["controller"])
+        self.memory = StepMemory(**(state.get("memory") or {}))  # absent in checkpoints written before it
         self.gen.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.py_rng.setstate(state["py_rng"])
@@ -203,9 +163,12 @@ class LocalTrainer:
         if rewards is None:  # no informative group: log the old policy's entropy, no update
             with torch.no_grad():
                 h = entropy_sensitivity(response_logits(self.model, batch, self.s["temperature"]), batch.responses)
-            rec.update({"skipped": True, "entropy": float(masked_mean(h.entropy, mask)), "entropy_change": 0.0,
+            entropy = batch_mean(h.entropy, mask)
+            rec.update({"skipped": True, "stare/entropy": entropy, **self.memory.change_metrics(entropy),
+                        "stare/entropy_change_same_batch": 0.0,
                         "response_length": float(batch.action_mask.sum(-1).float().mean()), "batch_prompts": 0,
                         "time_s": time.perf_counter() - t0})
+            self.memory = StepMemory(entropy, 0.0)  # no update: the policy did not move
             return rec
         lengths = batch.action_mask.sum(-1).float()
         shaped = rewards.float()
@@ -221,37 +184,24 @@ class LocalTrainer:
             old_logprobs = token_logprobs(logits, actions)
             stats = entropy_sensitivity(logits, actions)
         del logits
-        entropy = float(masked_mean(stats.entropy, mask))
-        weights = None
-        if self.controller is not None:
-            state = self.controller.update(entropy)
-            weights = stare_token_weights(old_logprobs, adv, mask, phi=stats.phi, **self.algo.selection_kwargs(),
-                                          **state.weight_kwargs(),
-                                          micro_batch_size=self.s["micro_batch_size"] if self.algo.scope == "micro_batch" else None)
-            rec.update(state.as_metrics())
-            rec.update({f"stare/{k}": float(v) for k, v in reweight_stats(weights, adv, mask).items()})
-        rec.update({f"quadrant/{k}": float(v) for k, v in
-                    quadrant_stats(stats.surprisal, stats.entropy, adv, mask, phi=stats.phi).items()})
-        rec["entropy_forecast"] = float(predicted_entropy_change(stats.phi, adv, mask, weights=weights))
-        if weights is not None:
-            # Why a rule works or not: the forecast without the weights, and how many of the tokens the rule
-            # boosts (A > 0, weight > 1) really raise entropy (Phi > 0).
-            rec["entropy_forecast_base"] = float(predicted_entropy_change(stats.phi, adv, mask))
-            adv_tok = adv[:, None].expand_as(mask)
-            boosted = (weights > 1) & (adv_tok > 0) & mask.bool()
-            rec["stare/boosted_raise_share"] = (float((boosted & (stats.phi > 0)).sum() / boosted.sum())
-                                                if bool(boosted.any()) else None)
 
-        # updates: mini-batches (one optimizer step each), micro-batches accumulated with global counts
+        # the split: mini-batches (one optimizer step each) of micro-batches (accumulated with global counts)
         n = actions.shape[0]
         order = torch.randperm(n, generator=self.gen)
         mb_count = self.s["mini_batches"]
+        plan = [list(mb.split(self.s["micro_batch_size"])) for mb in order.chunk(mb_count)]
+        step = stare_step(self.controller, self.algo, old_logprobs, adv, mask, stats, memory=self.memory,
+                          micro_batches=[micro for micros in plan for micro in micros])
+        weights, entropy = step.weights, step.metrics["stare/entropy"]
+        self.memory = step.memory
+        rec.update(step.metrics)
+
         sums: dict[str, float] = {}
-        for mb in order.chunk(mb_count):
-            mb_mask = mask[mb]
-            n_tok, n_seq = mb_mask.sum(), len(mb)
+        for micros in plan:
+            mb_mask = mask[torch.cat(micros)]
+            n_tok, n_seq = mb_mask.sum(), mb_mask.shape[0]
             self.opt.zero_grad(set_to_none=True)
-            for micro in mb.split(self.s["micro_batch_size"]):
+            for micro in micros:
                 sub = batch.select(micro)
                 lp = token_logprobs(response_logits(self.model, sub, temp), sub.responses)
                 loss, m = policy_loss(lp, old_logprobs[micro], adv[micro], mask[micro],
@@ -267,8 +217,7 @@ class LocalTrainer:
         with torch.no_grad():
             new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions).entropy
         rec.update({
-            "entropy": entropy,
-            "entropy_change": float(masked_mean(new_entropy, mask)) - entropy,
+            "stare/entropy_change_same_batch": batch_mean(new_entropy, mask) - entropy,
             "response_length": float(lengths.mean()),
             "batch_prompts": n // G,
             **sums,

@@ -228,7 +228,8 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     if algo["stare"]:
         stare = {k: algo[k] for k in ("name", "selection", "variant", "top_ratio", "w", "m", "damp", "phi_cap",
                                       "scope", "controller", "target_entropy", "adaptive", "alpha", "w_max",
-                                      "m_min", "band_low", "band_high", "band_target", "gain", "two_sided")}
+                                      "m_min", "band_low", "band_high", "band_target", "gain", "two_sided",
+                                      "telemetry")}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}

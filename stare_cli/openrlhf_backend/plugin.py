@@ -9,12 +9,15 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
   built the model, optimizer and trainer, it turns the trainer into a ``StareActorTrainer`` and the trainer's
   parsed ``PolicyLoss`` into a ``StarePolicyLoss`` (same settings: clip low/high, dual clip, token-level
   loss, GSPO, importance-sampling correction), and loads the controller's state when resuming.
-- ``StareActorTrainer.ppo_train`` runs once per RL step over the step's whole replay buffer *before* any
-  update: one no-grad forward of the (still old) policy gives each response token's entropy and Phi in
-  chunks (``stare.algorithms.entropy_sensitivity``; never OpenRLHF's full-vocabulary entropy with
-  gradient), the controller is updated once from the batch entropy all-reduced over the data-parallel group
-  (so every rank takes the same decision), and ``stare_token_weights`` selects tokens over the whole step's
-  batch from the old log-probs (exact across ranks via its distributed selection). Then OpenRLHF's own
+- ``StarePolicyModelActor.forward`` is OpenRLHF's old-log-prob forward; from the same logits it computes each
+  response token's entropy (and Phi when needed) on the action rows only (``stare.algorithms.
+  entropy_sensitivity``, chunked; never OpenRLHF's full-vocabulary entropy) and stashes them per sample, keyed
+  by a hash of the sample's unpadded token ids and mask. ``StareActorTrainer.ppo_train`` runs once per RL step
+  over the step's whole replay buffer *before* any update: it looks the rows up (fetching rows other
+  data-parallel ranks stashed; an extra no-grad forward only for samples found nowhere, in lockstep), the
+  controller is updated once from the batch entropy all-reduced over the data-parallel group (so every rank
+  takes the same decision), and ``stare_token_weights`` selects tokens over the whole step's batch from the
+  old log-probs (exact across ranks via its distributed selection). Then OpenRLHF's own
   ``ppo_train`` runs; ``training_step`` looks up each micro-batch's weights by a per-sample id carried in
   ``experience.info`` and hands them to the loss. With ``scope: micro_batch`` the weights are instead chosen
   inside each micro-batch (the reference implementation's rule).
@@ -24,14 +27,15 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
   statistics: scaling the advantage is how the weight is applied, without re-implementing OpenRLHF's loss.
   Weights of None (gate off, or a baseline) call OpenRLHF's loss unchanged.
 - Telemetry goes into the status dict ``fit`` returns, which OpenRLHF logs as ``train/<key>`` (W&B,
-  TensorBoard): keys under ``stare/``.
+  TensorBoard): the names of ``stare.algorithms.METRICS``, from ``stare_step``, the block the local engine runs
+  too (all but ``stare/entropy_change_same_batch``, which would cost a second forward over the buffer).
 - The controller's state is written next to OpenRLHF's checkpoints (``<ckpt.path>/stare/<tag>.json``) and
   read back when OpenRLHF resumes from that tag.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -42,15 +46,21 @@ check_openrlhf_version()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from openrlhf.models import PolicyLoss  # noqa: E402
+from openrlhf.models.ring_attn_utils import (  # noqa: E402
+    gather_and_pad_tensor,
+    get_tensor_in_current_ring_attn_rank,
+    unpad_and_slice_tensor,
+)
 from openrlhf.trainer.ppo_utils.experience import make_experience_batch  # noqa: E402
 from openrlhf.trainer.ray import ppo_actor as _ppo_actor  # noqa: E402
 
 from stare.algorithms import (  # noqa: E402
     AlgoConfig,
+    EntropyStats,
+    StepMemory,
     entropy_sensitivity,
-    predicted_entropy_change,
-    quadrant_stats,
     reweight_stats,
+    stare_step,
     stare_token_weights,
 )
 
@@ -113,6 +123,18 @@ def _pad_rows(rows: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
     return out
 
 
+def _sample_key(sequence: torch.Tensor, attention: torch.Tensor) -> tuple[bytes, int]:
+    """(key, right padding) of one sample [T]: a hash of its token ids and attention mask without the right
+    padding, which is what OpenRLHF's ``remove_padding_in_sequences`` leaves in the replay buffer (the same
+    count: the position of the last attended token from the end)."""
+    right_pad = int(attention.flip(0).argmax()) if attention.numel() else 0
+    n = attention.shape[0] - right_pad
+    h = hashlib.blake2b(digest_size=20)
+    h.update(sequence[:n].to(torch.int64).numpy().tobytes())
+    h.update(attention[:n].to(torch.int64).numpy().tobytes())
+    return h.digest(), right_pad
+
+
 class StareActorTrainer(ActorPPOTrainer):
     """OpenRLHF's ``ActorPPOTrainer`` with STARE. Never constructed: ``install`` re-classes OpenRLHF's own."""
 
@@ -123,6 +145,17 @@ class StareActorTrainer(ActorPPOTrainer):
         self.stare_prev = {"entropy": None, "forecast": None}  # for the measured-vs-predicted change
         # uid -> (weights row: global scope with the gate on, phi row: micro_batch scope), on the device
         self._stare_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # sample key -> (version, entropy row, phi row or None), filled by OpenRLHF's old-log-prob forward
+        # (``stare_old_log_probs``); only rows of the current version (no update since) are ever used
+        self._stare_stash: dict[bytes, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
+        self._stare_version = 0  # bumped after every ppo_train (the weights change there)
+        self.stare_stash_report = {"stashed": 0, "exchanged": 0, "recomputed": 0}
+
+    def _stare_needs(self) -> tuple[bool, bool]:
+        """(entropy, phi): which per-token statistics this run needs from the old policy."""
+        cfg = self.stare_cfg
+        need_phi = cfg.needs_phi or cfg.telemetry == "full"
+        return cfg.stare or cfg.telemetry != "off" or need_phi, need_phi
 
     # ---- distributed helpers --------------------------------------------------------------------
     def _stare_group(self):
@@ -140,16 +173,163 @@ class StareActorTrainer(ActorPPOTrainer):
     def _stare_device(self) -> torch.device:
         return next(self.actor.model.parameters()).device
 
+    # ---- the statistics from OpenRLHF's own old-log-prob forward, stashed per sample ---------------
+    @torch.no_grad()
+    def _stare_forward_stats(self, sequences, action_mask, attention_mask, need_phi=None, **mm_inputs):
+        """OpenRLHF's actor forward with action log-probs (``Actor.forward``, the call its policy actor makes
+        for the old log-probs) and, from the same logits, each action position's entropy and Phi.
+
+        Returns (action_log_probs [B, A], entropy [B, A], phi [B, A] or None), zero where ``action_mask`` is.
+        The statistics are computed on the action rows only, each run of consecutive action rows a
+        contiguous view of the logits (no copy of [B, T, V]); with packing (and ring attention) on this
+        rank's packed rows, then gathered and unpadded the way ``Actor.forward`` unpads its log-probs.
+        """
+        if need_phi is None:
+            need_phi = self._stare_needs()[1]
+        ring = self.strategy.ring_attn_group
+        log_probs, output = self.actor(sequences, action_mask, attention_mask, return_output=True,
+                                       ring_attn_group=ring, **mm_inputs)
+        logits = output["logits"]  # float32, already divided by the rollout temperature
+        batch, seqlen = sequences.shape
+        width = action_mask.shape[1]
+        # which logits row predicts an action token: row t predicts token t + 1 (Actor.forward's roll)
+        grid = torch.zeros(batch, seqlen, dtype=torch.long, device=sequences.device)
+        grid[:, seqlen - 1 - width: seqlen - 1] = action_mask.long()
+        if self.actor.packing_samples:
+            # the same packing (and ring slice) as the model's input: one call, as Actor.forward made it
+            _, _, actions, pad_len, indices = unpad_and_slice_tensor(sequences, attention_mask, ring)
+            rows = grid.reshape(-1)[indices].view(1, -1)
+            if ring is not None:
+                rows, _ = get_tensor_in_current_ring_attn_rank(rows, ring, 0)
+        else:
+            rows, actions = grid, torch.roll(sequences, shifts=-1, dims=1)
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)  # the model's own [*, V] output: contiguous, so a view
+        rows, actions = rows.reshape(-1).bool(), actions.reshape(-1)
+        ent = torch.zeros(rows.shape[0], dtype=torch.float32, device=logits.device)
+        phi = torch.zeros_like(ent) if need_phi else None
+        # runs of consecutive action rows (statistics are per row, so runs may span samples)
+        edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8),
+                           append=rows.new_zeros(1, dtype=torch.int8)).nonzero().view(-1).tolist()
+        for start, end in zip(edges[0::2], edges[1::2]):
+            st = entropy_sensitivity(flat[start:end], actions[start:end])
+            ent[start:end] = st.entropy
+            if phi is not None:
+                phi[start:end] = st.phi
+        del output, logits, flat
+        out = []
+        for t in (ent, phi):
+            if t is not None:
+                if self.actor.packing_samples:
+                    t = gather_and_pad_tensor(t.view(1, -1), ring, pad_len, indices, batch, seqlen)
+                t = t.view(batch, seqlen)[:, :-1][:, -width:]
+            out.append(t)
+        return log_probs, out[0], out[1]
+
+    @torch.no_grad()
+    def stare_old_log_probs(self, sequences, action_mask, attention_mask, **mm_inputs) -> torch.Tensor:
+        """What OpenRLHF's ``PolicyModelActor.forward`` returns (the old log-probs, on the device), with each
+        sample's entropy (and Phi) stashed for this step's ``ppo_train``, keyed by the sample's token ids and
+        mask without right padding (what the replay buffer keeps)."""
+        need_ent, need_phi = self._stare_needs()
+        if not need_ent:
+            return self.actor(sequences, action_mask, attention_mask, ring_attn_group=self.strategy.ring_attn_group,
+                              **mm_inputs)
+        log_probs, ent, phi = self._stare_forward_stats(sequences, action_mask, attention_mask, need_phi,
+                                                        **mm_inputs)
+        seq_cpu, attn_cpu = sequences.cpu(), attention_mask.cpu()
+        width = action_mask.shape[1]
+        for b in range(sequences.shape[0]):
+            key, right_pad = _sample_key(seq_cpu[b], attn_cpu[b])
+            n = max(0, width - right_pad)
+            self._stare_stash[key] = (self._stare_version, ent[b, :n].clone(),
+                                      None if phi is None else phi[b, :n].clone())
+        return log_probs
+
+    def _stare_step_stats(self, items) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(entropy, phi) per buffer item: from the stash, else from the other data-parallel ranks' stashes
+        (dynamic batching re-deals samples), else from the extra pass (in lockstep over the ranks)."""
+        device = self._stare_device()
+        need_phi = self._stare_needs()[1]
+        out: list = [None] * len(items)
+        keys = []
+        for i, item in enumerate(items):
+            key, _ = _sample_key(item.sequences.cpu(), item.attention_mask.cpu())
+            keys.append(key)
+            hit = self._stare_stash.get(key)
+            if hit is not None and hit[0] == self._stare_version and (hit[2] is not None or not need_phi):
+                out[i] = self._stare_fit(hit[1], hit[2], item, device)
+        report = {"stashed": len(self._stare_stash), "exchanged": 0, "recomputed": 0}
+        missing = [i for i, r in enumerate(out) if r is None]
+        # one small all-reduce decides, on every rank alike, whether any rank misses a sample
+        any_missing = self._stare_all_reduce(torch.tensor([len(missing)], device=device),
+                                             dist.ReduceOp.MAX if dist.is_available() else None)
+        if int(any_missing.item()) > 0:
+            group = self._stare_group()
+            if group is not None and dist.get_world_size(group) > 1:
+                got = self._stare_exchange([keys[i] for i in missing], group, need_phi)
+                for i in missing:
+                    if keys[i] in got:
+                        ent, phi = got[keys[i]]
+                        out[i] = self._stare_fit(ent, phi, items[i], device)
+                        report["exchanged"] += 1
+                missing = [i for i in missing if out[i] is None]
+            # the extra pass for what is still missing; every rank joins (it all-reduces its pass count)
+            spare = items[0] if items else None
+            recomputed = self._stare_old_policy_stats([items[i] for i in missing], spare=spare)
+            for i, r in zip(missing, recomputed):
+                out[i] = r
+            report["recomputed"] = len(missing)
+        self.stare_stash_report = report
+        return out
+
+    def _stare_exchange(self, wanted_keys, group, need_phi):
+        """Rows other ranks stashed for the keys this rank misses (two all-gathers of small objects)."""
+        world = dist.get_world_size(group)
+        wanted = [None] * world
+        dist.all_gather_object(wanted, wanted_keys, group=group)
+        offer = {}
+        for keys in wanted:
+            for key in keys or ():
+                hit = self._stare_stash.get(key)
+                if key not in offer and hit is not None and hit[0] == self._stare_version \
+                        and (hit[2] is not None or not need_phi):
+                    offer[key] = (hit[1].cpu(), None if hit[2] is None else hit[2].cpu())
+        offers = [None] * world
+        dist.all_gather_object(offers, offer, group=group)
+        mine = set(wanted_keys)
+        got = {}
+        for o in offers:
+            for key, rows in (o or {}).items():
+                if key in mine:
+                    got.setdefault(key, rows)
+        return got
+
+    @staticmethod
+    def _stare_fit(ent, phi, item, device):
+        n = item.action_mask.shape[0]
+        if ent.shape[0] != n:
+            raise RuntimeError(f"STARE: a stashed row has {ent.shape[0]} action positions, the buffer's sample {n}")
+        return ent.to(device), None if phi is None else phi.to(device)
+
+    def _stare_stash_clear(self) -> None:
+        """After the update: no row computed before it may ever be used."""
+        self._stare_stash = {}
+        self._stare_version += 1
+
     # ---- the old policy's entropy and Phi, in one no-grad pass ----------------------------------
     @torch.no_grad()
-    def _stare_old_policy_stats(self, items) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _stare_old_policy_stats(self, items, spare=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(entropy, phi) per buffer item over its action positions, from the current (= old) policy, on the
-        training device."""
+        training device: the extra pass, for the items OpenRLHF's old-log-prob forward did not stash.
+
+        Every rank runs the same number of forwards (ZeRO-3 gathers parameters inside them); a rank with
+        nothing to compute while others do runs padding passes on ``spare`` (any of its buffer items)."""
         groups: list[list[int]] = []
         if self.args.train.dynamic_batch_enable:
-            # Token-budget groups, by length so padding stays small. The logits come back padded to
-            # [B, T_max, V] next to the packed copy, so each group's B x T_max is held to half the budget:
-            # the peak then stays near that of OpenRLHF's own packed forward at the full budget.
+            # Token-budget groups, by length so padding stays small; each group's padded B x T_max is held to
+            # half the budget, so its logits (padded when not packing) stay within what OpenRLHF's own forward
+            # holds at the full budget.
             budget = max(1, int(self.args.train.max_tokens_per_gpu) // 2)
             longest = 0
             for i in sorted(range(len(items)), key=lambda j: int(items[j].sequences.shape[0])):
@@ -172,23 +352,21 @@ class StareActorTrainer(ActorPPOTrainer):
         self.actor.eval()
         try:
             for p in range(n_passes):
-                if not groups:  # nothing on this rank (OpenRLHF's own step would not run either)
+                if groups:
+                    idx = groups[min(p, len(groups) - 1)]  # past the end: repeat the last one, for lockstep
+                    batch = [items[i] for i in idx]
+                elif spare is not None:  # nothing to recompute here, but other ranks do: keep lockstep
+                    idx, batch = [], [spare]
+                else:  # an empty buffer on this rank (OpenRLHF's own step would not run either)
                     break
-                idx = groups[min(p, len(groups) - 1)]  # past the end: repeat the last one, for lockstep
-                exp = make_experience_batch([items[i] for i in idx], self.args.ds.packing_samples)
+                exp = make_experience_batch(batch, self.args.ds.packing_samples)
                 exp.to_device(device)
-                output = self.actor(exp.sequences, None, attention_mask=exp.attention_mask, return_output=True,
-                                    allgather_logits=True, ring_attn_group=self.strategy.ring_attn_group)
-                width = exp.action_mask.shape[1]
-                logits = output["logits"][:, :-1][:, -width:]  # already at the rollout temperature
-                actions = exp.sequences[:, 1:][:, -width:]
-                stats = entropy_sensitivity(logits, actions)
-                del output, logits
+                _, ent, phi = self._stare_forward_stats(exp.sequences, exp.action_mask, exp.attention_mask)
                 if p >= len(groups):
                     continue  # a padding pass for collective lockstep
                 for row, i in enumerate(idx):
                     n = items[i].action_mask.shape[0]
-                    out[i] = (stats.entropy[row, :n], stats.phi[row, :n])
+                    out[i] = (ent[row, :n], None if phi is None else phi[row, :n])
         finally:
             self.actor.train(was_training)
         return out
@@ -201,75 +379,36 @@ class StareActorTrainer(ActorPPOTrainer):
         for uid, item in enumerate(items):
             item.info[UID_KEY] = uid
         device = self._stare_device()
-        stats = self._stare_old_policy_stats(items)
         self._stare_rows = {}
-        metrics: dict[str, float] = {}
+        need_ent, need_phi = self._stare_needs()
+        if not need_ent:  # a baseline with telemetry off: nothing to compute
+            return {}
+        stats = self._stare_step_stats(items)
         if items:
             width = max(it.action_mask.shape[0] for it in items)
             mask = _pad_rows([it.action_mask.to(device) for it in items], width, 0).bool()
             logp = _pad_rows([it.action_log_probs.to(device).float() for it in items], width, 0.0)
             adv = _pad_rows([it.advantages.to(device).float() for it in items], width, 0.0)
             ent = _pad_rows([s[0] for s in stats], width, 0.0)
-            phi = _pad_rows([s[1] for s in stats], width, 0.0)
-        else:  # a rank with an empty buffer still joins every collective below
+            phi = _pad_rows([s[1] for s in stats], width, 0.0) if need_phi else None
+        else:  # a rank with an empty buffer still joins every collective in stare_step
             mask = torch.zeros(1, 1, dtype=torch.bool, device=device)
-            logp = adv = ent = phi = torch.zeros(1, 1, device=device)
-        maskf = mask.float()
-        sums = self._stare_all_reduce(torch.stack([(ent * maskf).sum(), maskf.sum()]).double())
-        n_tokens = float(sums[1])
-        batch_entropy = float(sums[0] / sums[1]) if n_tokens > 0 else 0.0
-        if not math.isfinite(batch_entropy):
-            raise FloatingPointError(f"the old policy's batch entropy is {batch_entropy} (non-finite logits?)")
-
-        weights = None
-        state = None
-        if self.stare_controller is not None:
-            state = self.stare_controller.update(batch_entropy)
-            self.stare_state = state
-            metrics.update(state.as_metrics("stare/"))
-            if cfg.scope == "global" and state.gate_on and n_tokens > 0:
-                group = self._stare_group()
-                weights = stare_token_weights(logp, adv, mask, phi=phi, group=group,
-                                              **cfg.selection_kwargs(), **state.weight_kwargs())
-        metrics["stare/entropy"] = batch_entropy
-        metrics["stare/tokens"] = n_tokens
-        metrics.update(self._stare_telemetry(mask, logp, adv, ent, phi, weights))
-        # measured change of the batch entropy since the previous step, beside what that step forecast
-        prev = self.stare_prev
-        if prev["entropy"] is not None:
-            metrics["stare/entropy_change"] = batch_entropy - prev["entropy"]
-            metrics["stare/entropy_change_forecast"] = prev["forecast"]
-        self.stare_prev = {"entropy": batch_entropy, "forecast": metrics["stare/entropy_forecast"]}
+            logp = adv = ent = torch.zeros(1, 1, device=device)
+            phi = torch.zeros(1, 1, device=device) if need_phi else None
+        # the shared once-per-step block: batch entropy all-reduced, controller, (global scope) weights exact
+        # across ranks, telemetry; with scope micro_batch the weights are chosen in _stare_batch_weights
+        step = stare_step(self.stare_controller, cfg, logp, adv, mask, EntropyStats(ent, -logp, phi),
+                          memory=StepMemory(**self.stare_prev), group=self._stare_group())
+        self.stare_state = step.state
+        self.stare_prev = step.memory.as_dict()
+        weights = step.weights
 
         keep_phi = cfg.scope == "micro_batch"
         for uid, item in enumerate(items):
             n = item.action_mask.shape[0]
             self._stare_rows[uid] = (weights[uid, :n] if weights is not None else None,
-                                     phi[uid, :n] if keep_phi else None)
-        return metrics
-
-    def _stare_telemetry(self, mask, logp, adv, ent, phi, weights) -> dict[str, float]:
-        """Step-level shares and forecasts, exact over all ranks (numerators and counts all-reduced)."""
-        m = mask.float()
-        n_pos, n_neg = (m * (adv > 0)).sum(), (m * (adv < 0)).sum()
-        reweighted = reweight_stats(weights if weights is not None else torch.ones_like(m), adv, mask)
-        quads = quadrant_stats(-logp, ent, adv, mask, phi=phi)
-        active = n_pos + n_neg
-        # (numerator, denominator) pairs: each rank's share times its own denominator, summed over ranks
-        pairs = {
-            "stare/positive_reweight_ratio": (reweighted["positive_reweight_ratio"] * n_pos, n_pos),
-            "stare/negative_reweight_ratio": (reweighted["negative_reweight_ratio"] * n_neg, n_neg),
-            "stare/mean_weight": (reweighted["mean_weight"] * m.sum(), m.sum()),
-            "stare/entropy_forecast": (predicted_entropy_change(phi, adv, mask, weights=weights) * m.sum(), m.sum()),
-            "stare/entropy_forecast_base": (predicted_entropy_change(phi, adv, mask) * m.sum(), m.sum()),
-        }
-        for q in ("pos_low", "pos_high", "neg_low", "neg_high"):
-            pairs[f"stare/{q}_share"] = (quads[f"{q}_share"] * active, active)
-            pairs[f"stare/{q}_contrib"] = (quads[f"{q}_contrib"] * m.sum(), m.sum())
-        keys = list(pairs)
-        flat = torch.stack([torch.stack([pairs[k][0].float(), pairs[k][1].float()]) for k in keys]).double()
-        flat = self._stare_all_reduce(flat)
-        return {k: float(flat[i, 0] / flat[i, 1]) if float(flat[i, 1]) > 0 else 0.0 for i, k in enumerate(keys)}
+                                     phi[uid, :n] if keep_phi and phi is not None else None)
+        return step.metrics
 
     def _stare_batch_weights(self, experience, uids) -> torch.Tensor | None:
         """This micro-batch's weights [B, A] (None: every weight is 1)."""
@@ -285,7 +424,8 @@ class StareActorTrainer(ActorPPOTrainer):
                 return None
             return _pad_rows([r.to(device) for r in rows], width, 1.0)
         # the reference's rule: select inside this micro-batch only
-        phi = _pad_rows([self._stare_rows[u][1].to(device) for u in uids], width, 0.0)
+        phi_rows = [self._stare_rows[u][1] for u in uids]  # None: Phi was not needed (telemetry, selection)
+        phi = None if any(r is None for r in phi_rows) else _pad_rows([r.to(device) for r in phi_rows], width, 0.0)
         weights = stare_token_weights(experience.action_log_probs.detach().float(),
                                       experience.advantages.float(), experience.action_mask, phi=phi,
                                       **self.stare_cfg.selection_kwargs(), **state.weight_kwargs())
@@ -295,12 +435,17 @@ class StareActorTrainer(ActorPPOTrainer):
 
     # ---- OpenRLHF's entry points ----------------------------------------------------------------
     def ppo_train(self, kl_ctl: float):
-        metrics = self.stare_prepare_step()
         try:
+            metrics = self.stare_prepare_step()
             status = super().ppo_train(kl_ctl)
         finally:
             self._stare_rows = {}
+            self._stare_stash_clear()  # the weights change now: no stashed row may outlive this step
         status.update(metrics)
+        if metrics:
+            report = self.stare_stash_report
+            status["stare/stash_recomputed"] = float(report["recomputed"])
+            status["stare/stash_exchanged"] = float(report["exchanged"])
         return status
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
@@ -378,6 +523,24 @@ class StarePolicyModelActor(_BasePolicyActor):
             tag = load_stare_state(trainer, args.ckpt.path)
             if tag is not None:
                 strategy.print(f"STARE: controller state restored from checkpoint {tag}")
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
+                mm_train_inputs_list=None):
+        """OpenRLHF's old-log-prob forward (same inputs, same output), which also stashes each sample's
+        entropy and Phi for this step's ``ppo_train`` (``StareActorTrainer.stare_old_log_probs``)."""
+        trainer = getattr(self, "trainer", None)
+        if not isinstance(trainer, StareActorTrainer):
+            return super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
+        device = torch.cuda.current_device()
+        mm_inputs = {}
+        if mm_train_inputs_list and getattr(self.actor, "is_vlm", False):
+            mm_inputs = _ppo_actor.merge_mm_train_inputs(mm_train_inputs_list, device)
+        self.actor.eval()
+        with torch.no_grad():
+            action_log_probs = trainer.stare_old_log_probs(sequences.to(device), action_mask.to(device),
+                                                           attention_mask.to(device), **mm_inputs)
+        self.actor.train()  # reset model state, as OpenRLHF does
+        return action_log_probs.to("cpu")
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         super().save_checkpoint(tag, client_states, metric_value, metric_key)

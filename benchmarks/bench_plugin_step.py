@@ -1,0 +1,257 @@
+"""The actor's side of one RL step in OpenRLHF 0.11.2, with OpenRLHF's own loss vs the STARE plugin, on CPU.
+
+One step = the old-log-prob forward over the step's rollouts (what OpenRLHF's ``PolicyModelActor.forward``
+runs, one call per rollout micro-batch; the plugin's actor computes the entropy and Phi there and stashes
+them) + filling the replay buffer + ``ActorPPOTrainer.ppo_train`` (micro-batches, forward + backward,
+optimizer step). OpenRLHF's real ``Actor`` and trainer run on a tiny random Llama; DeepSpeed is replaced by a
+small strategy object (backward, an SGD step), the same for every variant. Variants:
+
+- ``openrlhf``: OpenRLHF's own trainer and loss (no plugin);
+- ``grpo``: the plugin with a baseline (telemetry only, ``telemetry: full``);
+- ``stare``: the plugin, O1, gate forced on (target entropy 100);
+- ``stare-phi``: the plugin, Phi-sign selection, band gate forced on.
+
+Each variant has its own model (same seed) and the learning rate is 0, so every repeat trains on the same
+weights and the gate stays on. Repeats are interleaved; medians. Targets (idle 2-core machine):
+grpo <= 1.03, stare <= 1.05, stare-phi <= 1.10 times OpenRLHF's own step.
+
+    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1] [--clock wall|cpu] [--quick]
+
+The last line is one JSON object ``{"grpo": r, "stare": r, "stare-phi": r}`` of the ratios to OpenRLHF's own.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from _timing import BackgroundLoad, interleaved_times, median, verdict
+
+TARGETS = {"grpo": 1.03, "stare": 1.05, "stare-phi": 1.10}
+VARIANTS = ("openrlhf", "grpo", "stare", "stare-phi")
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--repeats", type=int, default=7, help="timed steps per variant (default 7)")
+parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
+parser.add_argument("--vocab", type=int, default=16384, help="vocabulary size (default 16384)")
+parser.add_argument("--hidden", type=int, default=128, help="hidden size of the tiny Llama (default 128)")
+parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+parser.add_argument("--samples", type=int, default=16, help="samples per step (default 16)")
+parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
+parser.add_argument("--response-len", type=int, default=48, help="longest response (default 48)")
+parser.add_argument("--micro-batch", type=int, default=4, help="train and rollout micro-batch (default 4)")
+parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall (default) or this process's CPU time (less disturbed by other load; 1 thread)")
+parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
+args = parser.parse_args()
+if args.quick:
+    args.repeats, args.warmup, args.vocab, args.hidden = 2, 1, 1024, 32
+    args.samples, args.prompt_len, args.response_len, args.micro_batch = 8, 4, 8, 4
+for name in ("repeats", "vocab", "hidden", "layers", "samples", "prompt_len", "response_len", "micro_batch",
+             "threads"):
+    if getattr(args, name) < 1:
+        parser.exit(2, f"bench_plugin_step.py: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}\n")
+if args.samples % 4:
+    parser.exit(2, f"bench_plugin_step.py: --samples must be a multiple of 4 (groups of 4), got {args.samples}\n")
+torch.set_num_threads(args.threads)
+
+# OpenRLHF imports flash-attn and vLLM at module level; on a CPU machine those are absent. The test suite's
+# stand-ins (which raise if ever called) let its trainer modules import; the paths timed here never call them.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import openrlhf_standins  # noqa: E402
+
+openrlhf_standins.install()
+from openrlhf.models import Actor  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.trainer.ray import ppo_actor  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from stare.algorithms import get_algorithm  # noqa: E402
+from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend.argv import SETTINGS_ENV  # noqa: E402
+
+ppo_actor.torch_dist_barrier_and_cuda_sync = lambda: None
+_DEVICE = [0]  # the trainer's constructor formats "cuda:{n}" (never used on this path); ppo_train moves to it
+torch.cuda.current_device = lambda: _DEVICE[0]
+
+
+class Strategy:
+    """What ActorPPOTrainer needs of DeepSpeedStrategy: backward (divided by the accumulation steps) and an
+    optimizer step (plain SGD, lr 0: the weights stay the same from repeat to repeat)."""
+
+    ring_attn_group = None
+
+    def __init__(self, cfg, gas):
+        self.args, self.accumulated_gradient = cfg, gas
+        self._micro = 0
+
+    def backward(self, loss, model, optimizer):
+        (loss / self.accumulated_gradient).backward()
+
+    def optimizer_step(self, optimizer, model, scheduler, name="model"):
+        self._micro += 1
+        if self._micro % self.accumulated_gradient == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+    def all_reduce(self, data, op="mean"):
+        return data
+
+    def is_rank_0(self):
+        return False  # no progress bars
+
+    def print(self, *a):
+        pass
+
+
+class Sched:
+    def step(self):
+        pass
+
+    def get_last_lr(self):
+        return [0.0]
+
+
+def openrlhf_args():
+    ns = SimpleNamespace
+    return ns(
+        train=ns(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False,
+                 max_tokens_per_gpu=4096),
+        actor=ns(eps_clip_low_high=(0.2, 0.28), dual_clip=10.0, loss_agg_mode="token-mean", policy_loss_type="ppo",
+                 aux_loss_coef=0.0, entropy_coef=None),
+        algo=ns(advantage=ns(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
+                             is_correction_threshold=(0.5, 5.0)),
+                kl=ns(use_loss=False, init_coef=0.0)),
+        ds=ns(packing_samples=False, tensor_parallel_size=1),
+        vllm=ns(sync_backend="nccl"),
+    )
+
+
+def make_model():
+    torch.manual_seed(0)
+    heads = max(1, args.hidden // 32)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      max_position_embeddings=args.prompt_len + args.response_len + 8)
+    return LlamaForCausalLM(cfg).float()
+
+
+def make_rollouts():
+    """The step's rollout micro-batches: prompts, right-padded responses, group-normalised advantages."""
+    g = torch.Generator().manual_seed(1)
+    n, p, r = args.samples, args.prompt_len, args.response_len
+    lengths = torch.randint(max(1, r // 3), r + 1, (n,), generator=g)
+    seq = torch.randint(1, args.vocab, (n, p + r), generator=g)
+    attn = torch.ones(n, p + r, dtype=torch.long)
+    for i, k in enumerate(lengths.tolist()):
+        attn[i, p + k:] = 0
+        seq[i, p + k:] = 0
+    action_mask = attn[:, 1:][:, -r:].bool()
+    rewards = (torch.rand(n, generator=g) > 0.5).float()
+    grp = rewards.view(-1, 4)
+    adv = ((grp - grp.mean(1, keepdim=True)) / (grp.std(1, keepdim=True) + 1e-6)).view(-1)
+    out = []
+    for s in range(0, n, args.micro_batch):
+        e = slice(s, s + args.micro_batch)
+        out.append(Experience(sequences=seq[e], attention_mask=attn[e], action_mask=action_mask[e],
+                              advantages=(adv[e, None].expand(-1, r) * action_mask[e]).float().contiguous(),
+                              response_length=lengths[e].float(), total_length=(lengths[e] + p).float(),
+                              info={"reward": rewards[e].clone()}))
+    return out
+
+
+def make_trainer(variant):
+    cfg = openrlhf_args()
+    actor = Actor(make_model())
+    actor.packing_samples = False
+    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
+    gas = max(1, args.samples // args.micro_batch)  # one optimizer step per RL step
+    _DEVICE[0] = 0
+    trainer = ppo_actor.ActorPPOTrainer(Strategy(cfg, gas), actor, None, optim, Sched(),
+                                        micro_train_batch_size=args.micro_batch, buffer_cpu_offload=False,
+                                        dataloader_pin_memory=False)
+    _DEVICE[0] = "cpu"
+    if variant != "openrlhf":
+        over = {"stare": {"target_entropy": 100.0}, "stare-phi": {"band_low": 99.0, "band_high": 100.0}}
+        algo = get_algorithm(variant, **over.get(variant, {}))
+        trainer = plugin.install(SimpleNamespace(trainer=trainer),
+                                 {SETTINGS_ENV: json.dumps({"algo": algo.to_dict(), "run": "bench"})})
+    return trainer
+
+
+def make_step(variant, rollouts):
+    trainer = make_trainer(variant)
+    status = {}
+
+    def step():
+        trainer.replay_buffer.items.clear()
+        for batch in rollouts:
+            exp = copy.copy(batch)
+            exp.info = dict(batch.info)
+            # the driver's old-log-prob forward, one call per rollout micro-batch (PolicyModelActor.forward)
+            trainer.actor.eval()
+            with torch.no_grad():
+                if variant == "openrlhf":
+                    lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
+                else:
+                    lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+            trainer.actor.train()
+            exp.action_log_probs = lp * exp.action_mask
+            trainer.replay_buffer.append(exp)
+        status.clear()
+        status.update(trainer.ppo_train(0.0))
+
+    return step, status
+
+
+rollouts = make_rollouts()
+steps, statuses = {}, {}
+for v in VARIANTS:
+    steps[v], statuses[v] = make_step(v, rollouts)
+load = BackgroundLoad()
+if args.clock == "wall":
+    times = interleaved_times(steps, repeats=args.repeats, warmup=args.warmup)
+else:  # the same interleaving as _timing.interleaved_times, on the process's CPU clock
+    for _ in range(args.warmup):
+        for v in VARIANTS:
+            steps[v]()
+    times = {v: [] for v in VARIANTS}
+    for i in range(args.repeats):
+        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+            gc.collect()
+            t0 = time.process_time()
+            steps[v]()
+            times[v].append(time.process_time() - t0)
+
+size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
+        f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock")
+print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
+print(f"{'variant':<10} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
+base = median(times["openrlhf"])
+ratios = {}
+for v in VARIANTS:
+    m = median(times[v])
+    st = statuses[v]
+    if v == "openrlhf":
+        print(f"{v:<10} {m:9.4f} {1.0:7.3f} {'':>7}")
+        continue
+    ratios[v] = m / base
+    gate = {1.0: "on", 0.0: "off"}.get(st.get("stare/gate_on"), "-")
+    print(f"{v:<10} {m:9.4f} {ratios[v]:7.3f} {TARGETS[v]:7.2f}  {verdict(ratios[v], TARGETS[v]):<7}  {gate:<4}  "
+          f"{int(st.get('stare/stash_recomputed', 0))}")
+print(load.line())
+if args.quick:
+    print("  --quick: toy sizes, a smoke test; the ratios mean nothing")
+print(json.dumps({v: round(r, 4) for v, r in ratios.items()}, sort_keys=True))

@@ -1,0 +1,51 @@
+"""What ``stare eval`` will evaluate, decided before any model is loaded: the model and output folder, and whether
+the harness, benchmark, tools and ``--resume`` fit together. Each check raises ``ValueError`` with one line that
+names the bad value; the CLI prints it and exits with code 2.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .rundir import final_model
+
+HARNESSES = ("stare", "lm-eval")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """A hub id has the form owner/name (one slash); anything else must be a folder that exists."""
+    return model.count("/") == 1
+
+
+def eval_target(model: str | None, out: Path | None, bench: str) -> tuple[str, Path]:
+    """(model, output folder). Without ``model``, ``out`` must be a training run with a ``final/`` model: that model
+    is evaluated and the outputs go to ``out/eval-<bench>`` (where ``stare compare`` finds them). Default output
+    folder: ``evals/<bench>``."""
+    out_dir = out or Path("evals") / bench
+    if model is None:
+        final = final_model(out) if out is not None else None
+        if final is None:
+            raise ValueError("--model is required (or give --out a training run folder that has final/)")
+        return str(final), out / f"eval-{bench}"
+    if not Path(model).exists() and not looks_like_hub_id(model):
+        raise ValueError(f"model {model!r} is neither a folder nor a hub id (owner/name)")
+    return model, out_dir
+
+
+def check_harness(harness: str, bench: str, *, resume: bool, tools: str | None) -> None:
+    """The harness exists, can run ``bench``, and supports ``--resume`` and ``--tools`` when they are asked for."""
+    if harness not in HARNESSES:
+        raise ValueError(f"unknown harness {harness!r}; valid harnesses: {', '.join(HARNESSES)}")
+    if tools is not None:
+        from .agent.multiturn import TOOLS
+
+        if tools not in TOOLS:
+            raise ValueError(f"unknown tool {tools!r}; valid tools: {', '.join(TOOLS)}")
+        if harness != "stare":
+            raise ValueError("--tools works with --harness stare only")
+    if harness == "lm-eval":
+        from stare.eval.lm_eval_harness import require_lm_eval, task_name
+
+        task_name(bench)
+        require_lm_eval()
+        if resume:
+            raise ValueError("--resume works with --harness stare only; lm-eval runs a task from the start")

@@ -1,0 +1,98 @@
+"""The comparison plots: one curve per arm against RL step (``entropy.png``, ``reward.png``, ...).
+
+The arms and their labels are the comparison table's (``stare.cli.tables.group_arms``), and each algorithm has
+one colour everywhere (``colour``: the registry's order in matplotlib's tab10 palette), so ``stare run`` and
+``stare compare`` draw GRPO, DAPO and each STARE variant alike. A curve that no run logged is not drawn: no
+empty frame is written.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .runs import Run, num
+from .tables import algo_rank, arm_labels, common, group_arms, reference_band
+
+SMOOTH = 5  # trailing moving average of the plotted curves, in steps
+
+
+# ---- 5. curves --------------------------------------------------------------------------------------------------
+def _smoothed(run: Run, key: str) -> dict[int, float]:
+    """step -> trailing mean of the last ``SMOOTH`` logged values of ``key`` (steps without the key skipped)."""
+    pts = [(r["step"], v) for r in run.metrics if (v := num(r.get(key))) is not None]
+    out = {}
+    for i, (step, _) in enumerate(pts):
+        window = [v for _, v in pts[max(0, i - SMOOTH + 1):i + 1]]
+        out[step] = sum(window) / len(window)
+    return out
+
+
+def colour(algo: str | None, palette) -> tuple:
+    """The algorithm's colour: its position in the registry (``stare algos``) in ``palette``; one colour for any
+    other name."""
+    return palette[algo_rank(algo) % len(palette)]
+
+
+LINESTYLES = ("-", "--", ":", "-.")  # arms of one algorithm (other settings) share its colour, not its line style
+
+CURVES = (("stare/entropy", "mean token entropy", "entropy.png"),
+          ("reward_mean", "mean reward", "reward.png"),
+          ("response_length", "mean response length (tokens)", "response_length.png"))
+
+
+def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
+    """Write entropy.png, reward.png and response_length.png (or ``curves``: (metric key, axis label, file name)
+    triples) in ``out_dir``; returns their paths.
+
+    One line per arm: the mean over seeds of each seed's trailing 5-step mean, with a light min..max band over
+    the seeds when there are several; the target entropy band is shaded on entropy.png. A curve whose key no run
+    logged is skipped (not written, not returned).
+    """
+    import matplotlib
+    # the Agg backend, set on each figure: no display needed, and pyplot's global backend is left alone
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_arms(runs)
+    palette = matplotlib.colormaps["tab10"].colors
+    styles, used = [], {}
+    for group in groups:  # the colour of the algorithm; a second arm of it gets the next line style
+        c = colour(group[0].algo, palette)
+        styles.append((c, LINESTYLES[used.get(c, 0) % len(LINESTYLES)]))
+        used[c] = used.get(c, 0) + 1
+    arms = list(zip(arm_labels(groups), groups, styles))
+    band = reference_band(runs)
+    preset = common(r.config.get("preset") for r in runs)
+    task = common((r.config.get("settings") or {}).get("task") for r in runs)
+    written = []
+    for key, label, filename in curves:
+        if not any(num(rec.get(key)) is not None for r in runs for rec in r.metrics):
+            continue  # nothing to draw: no empty frame
+        fig = Figure(figsize=(7, 4), dpi=110)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        if key == "stare/entropy" and band:
+            ax.axhspan(band[0], band[1], color="0.5", alpha=0.15, lw=0,
+                       label=f"target band [{band[0]:.2f}, {band[1]:.2f}]")
+        for name, group, (col, style) in arms:
+            per_seed = [c for c in (_smoothed(r, key) for r in group) if c]
+            if not per_seed:
+                continue
+            steps = sorted(set().union(*per_seed))
+            at = [[c[s] for c in per_seed if s in c] for s in steps]
+            ax.plot(steps, [sum(v) / len(v) for v in at], color=col, ls=style, lw=1.6,
+                    label=name if len(per_seed) == 1 else f"{name} ({len(per_seed)} seeds)")
+            if len(per_seed) > 1:
+                ax.fill_between(steps, [min(v) for v in at], [max(v) for v in at], color=col, alpha=0.18, lw=0)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label[0].upper() + label[1:]} ({preset}, {task}; trailing {SMOOTH}-step mean)", fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path)
+        written.append(path)
+    return written

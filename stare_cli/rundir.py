@@ -1,0 +1,108 @@
+"""Run folders: who owns a folder before anything is written to it.
+
+- A training run's folder (``stare train``, one arm of ``stare run``, an OpenRLHF run) holds ``config.yaml``, the
+  resolved settings: ``check_run_dir`` says, touching nothing, whether a folder can take a run (a new one, or the
+  same run resumed); ``prepare_run_dir`` then creates it.
+- A ``stare run`` folder holds ``run.yaml`` (the preset, arms and seeds) and one run folder per arm:
+  ``check_run_set_dir`` and ``mark_run_set``.
+- ``final_model``: the model a training run left, for ``stare eval --out RUN`` without ``--model``.
+
+Every refusal is a ``RunDirError`` (a ValueError; the CLI prints it as one line and exits with code 2) that says
+nothing was changed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from .presets import read_config
+
+FINAL = "final"
+RUN_SET_MARKER = "run.yaml"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (another run there, nothing to resume): exit code 2."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
+    """Check, without touching anything, that ``run_dir`` can take this run.
+
+    Returns True when the directory already holds this run (to be resumed). Raises ``RunDirError`` for another
+    preset's or algorithm's run, a run started with other settings, an existing run without ``resume``,
+    ``resume`` with nothing to resume, or a non-empty folder that is not a stare run.
+    """
+    config = run_dir / "config.yaml"
+    if config.exists():
+        try:
+            old = read_config(config)
+        except ValueError as exc:
+            raise RunDirError(f"{exc}; use another --out (nothing was changed)") from None
+        if old.get("preset") != resolved["preset"] or old.get("algo", {}).get("name") != resolved["algo"]["name"]:
+            raise RunDirError(
+                f"{run_dir} holds a run of preset {old.get('preset')!r} with algorithm "
+                f"{old.get('algo', {}).get('name')!r}; use another --out (nothing was changed)")
+        if not resume:
+            raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it or use another --out "
+                              "(nothing was changed)")
+        if old != resolved:
+            raise RunDirError(f"{run_dir} was started with other settings; resume it with the same --set values "
+                              "(see its config.yaml)")
+        return True
+    if resume:
+        raise RunDirError(f"nothing to resume in {run_dir}: no config.yaml there")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunDirError(f"{run_dir} is not empty and holds no stare run; use another --out (nothing was changed)")
+    return False
+
+
+def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
+    """``check_run_dir``, then create the directory and its ``config.yaml`` for a new run."""
+    existing = check_run_dir(run_dir, resolved, resume)
+    if not existing:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    return existing
+
+
+def check_run_set_dir(out: Path, preset: str) -> None:
+    """A ``stare run`` output folder can take a run of ``preset``: it is new or empty, or it holds a run of the
+    same preset (its finished arms are kept, the others resumed or started). ``RunDirError`` otherwise."""
+    marker = Path(out) / RUN_SET_MARKER
+    if marker.exists():
+        try:
+            old = read_config(marker)
+        except ValueError as exc:
+            raise RunDirError(f"{exc}; use another --out (nothing was changed)") from None
+        if old.get("preset") != preset:
+            raise RunDirError(f"{out} holds a run of preset {old.get('preset')!r}; use another --out "
+                              "(nothing was changed)")
+    elif Path(out).exists() and any(Path(out).iterdir()):
+        raise RunDirError(f"{out} is not empty and holds no stare run; use another --out (nothing was changed)")
+
+
+def mark_run_set(out: Path, preset: str, arms: list[str], seeds: int) -> None:
+    """Create the ``stare run`` folder and its ``run.yaml`` (once: a resumed run keeps the first one)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / RUN_SET_MARKER).exists():
+        atomic_write(out / RUN_SET_MARKER, yaml.safe_dump({"preset": preset, "algos": arms, "seeds": seeds}))
+
+
+def final_model(run_dir: Path) -> Path | None:
+    """The final model of the training run in ``run_dir`` (its ``final/`` folder, loadable with from_pretrained),
+    or None when ``run_dir`` is not a training run or has not finished."""
+    run_dir = Path(run_dir)
+    final = run_dir / FINAL
+    if (run_dir / "config.yaml").exists() and (final / "config.json").exists():
+        return final
+    return None

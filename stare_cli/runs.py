@@ -1,0 +1,297 @@
+"""Run records: one training run's folder read into a ``Run``, and the per-run measures of the comparison.
+
+A run directory (one algorithm, one seed) holds ``config.yaml`` (the resolved settings), ``metrics.jsonl`` (one
+JSON object per RL step) and, once the run has finished, ``eval.json`` (held-out avg@k, pass@k, greedy accuracy,
+overall and on the hard cases, and the warm start's numbers before RL), and the ``eval-<bench>/summary.json``
+folders of ``stare eval --out RUN`` (``Run.evals``). OpenRLHF runs are read into the same record from their
+TensorBoard logs (``stare.cli.tensorboard_runs``).
+
+1. ``load_run``: one run directory -> ``Run``;
+2. per-run measures (final reward, start and late-run entropy, band share, late reward slope, late response
+   length, held-out numbers), per-benchmark numbers (``summarise_benches``) and ``summarise_arm``: the measures
+   of one arm's seeds, with their mean, sample std and count. The table (``stare.cli.tables``) and the plots
+   (``stare.cli.plots``) read these, for ``stare run`` and ``stare compare`` alike.
+
+A measure that cannot be computed (no eval.json, a key the metrics never logged, one seed for a std) is None
+and is written as a blank cell; it is never replaced by 0.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stare.algorithms import upgrade_metric_names
+
+from .presets import read_config
+
+# Windows over the end of a run, in percent of its recorded steps (at least one step each).
+FINAL_PCT = 10  # final reward
+LATE_PCT = 25  # late-run entropy and band share
+SLOPE_PCT = 50  # late reward slope
+
+
+# ---- 1. one run directory ---------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    path: Path
+    algo: str
+    seed: int | None
+    config: dict
+    metrics: list[dict]  # one record per step, sorted by step
+    eval: dict | None  # eval.json, None while the run has not finished
+    evals: dict = field(default_factory=dict)  # bench -> summary.json of a ``stare eval`` of this run
+
+
+BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
+
+
+def read_summary(folder: Path) -> dict:
+    """``folder/summary.json`` (a ``stare eval`` output); ValueError naming the file when it is not readable."""
+    path = Path(folder) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("bench"), str):
+        raise ValueError(f"{path} is malformed: expected a JSON object with a bench name")
+    return summary
+
+
+def read_evals(folder: Path) -> dict[str, dict]:
+    """bench -> summary.json of the ``eval-<bench>/`` folders in a run's folder (``stare eval --out RUN``)."""
+    found = {}
+    for sub in sorted(Path(folder).glob("eval-*")):
+        if (sub / "summary.json").is_file():
+            summary = read_summary(sub)
+            found[summary["bench"]] = summary
+    return found
+
+
+def load_run(path) -> Run:
+    """Read a run directory; ValueError naming the file when config.yaml or metrics.jsonl is missing or malformed."""
+    path = Path(path)
+    config_path, metrics_path, eval_path = path / "config.yaml", path / "metrics.jsonl", path / "eval.json"
+
+    if not config_path.is_file():
+        raise ValueError(f"{path} is not a run directory: no config.yaml there")
+    try:
+        config = read_config(config_path)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (expected a mapping with algo.name)") from None
+    algo = config.get("algo")
+    if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
+        raise ValueError(f"{config_path} is malformed: expected a mapping with algo.name")
+    settings = config.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"{config_path} is malformed: settings must be a mapping")
+    seed = settings.get("seed")
+
+    if not metrics_path.is_file():
+        raise ValueError(f"{path}: no metrics.jsonl there (the run never started?)")
+    text = metrics_path.read_text()
+    lines = text.splitlines()
+    metrics = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lineno == len(lines) and not text.endswith("\n"):  # a run killed while writing its last line
+                warnings.warn(f"{metrics_path}: ignoring the truncated last line {lineno}")
+                break
+            raise ValueError(f"{metrics_path} line {lineno} is not valid JSON: {exc}") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
+            raise ValueError(f"{metrics_path} line {lineno} is malformed: expected a JSON object with an integer step")
+        metrics.append(upgrade_metric_names(rec))  # runs written before the stare/* names read the same
+    if not metrics:
+        raise ValueError(f"{metrics_path} holds no steps")
+    metrics.sort(key=lambda r: r["step"])
+    steps = [r["step"] for r in metrics]
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"{metrics_path} is malformed: a step appears more than once")
+
+    result = None
+    if eval_path.is_file():
+        try:
+            result = json.loads(eval_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{eval_path} is not valid JSON: {exc}") from None
+        if not isinstance(result, dict) or not isinstance(result.get("k"), int):
+            raise ValueError(f"{eval_path} is malformed: expected a JSON object with an integer k")
+    return Run(path=path, algo=algo["name"], seed=seed, config=config, metrics=metrics, eval=result,
+               evals=read_evals(path))
+
+
+# ---- 2. per-run measures and one arm's summary ------------------------------------------------------------------
+def num(value) -> float | None:
+    """A finite number as float; anything else (absent, None, NaN, a string, a bool) is None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def tail(records: list[dict], pct: int) -> list[dict]:
+    """The last ``pct`` percent of the records (rounded up, at least one)."""
+    n = max(1, -(-len(records) * pct // 100))
+    return records[-n:]
+
+
+def values(records: list[dict], key: str) -> list[float]:
+    """The key's values in the records that have it (a missing key is absent, not 0)."""
+    return [v for v in (num(r.get(key)) for r in records) if v is not None]
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def slope_per_100(records: list[dict], key: str) -> float | None:
+    """Least-squares slope of ``key`` against step, per 100 steps (None with fewer than two steps)."""
+    pts = [(float(r["step"]), v) for r in records if (v := num(r.get(key))) is not None]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx == 0:
+        return None
+    return 100 * sum((x - mx) * (y - my) for x, y in pts) / sxx
+
+
+def run_band(run: Run) -> tuple[float, float] | None:
+    low, high = num(run.config["algo"].get("band_low")), num(run.config["algo"].get("band_high"))
+    return None if low is None or high is None else (low, high)
+
+
+def band_share(band: tuple[float, float] | None, entropies: list[float]) -> float | None:
+    """Share of ``entropies`` inside ``band`` (None when there is no band or no value)."""
+    if not band or not entropies:
+        return None
+    return sum(band[0] <= h <= band[1] for h in entropies) / len(entropies)
+
+
+def held_out(result: dict | None, k: int | None) -> dict:
+    """avg@k, pass@k and greedy accuracy of one eval.json block (None where absent).
+
+    Reads ``avg_at_k`` / ``pass_at_k`` (the field names ``summary.json`` uses too) and, for eval.json files written
+    before those were added, ``avg_at_{k}`` / ``pass_at_{k}``.
+    """
+    result = result if isinstance(result, dict) else {}
+
+    def first(*keys):
+        return next((v for v in (num(result.get(key)) for key in keys) if v is not None), None)
+
+    return {"avg_at_k": first("avg_at_k", f"avg_at_{k}"), "pass_at_k": first("pass_at_k", f"pass_at_{k}"),
+            "greedy_accuracy": num(result.get("greedy_accuracy"))}
+
+
+def run_measures(run: Run) -> dict:
+    """The per-run numbers of the comparison (see the module docstring for the windows)."""
+    m = run.metrics
+    late = tail(m, LATE_PCT)
+    start = num(m[0].get("stare/entropy"))
+    late_h = values(late, "stare/entropy")
+    late_mean = mean(late_h)
+    band = run_band(run)
+    k = run.eval["k"] if run.eval else None
+    held = held_out(run.eval, k)
+    hard = held_out(run.eval.get("hard"), k) if run.eval else held_out(None, k)
+    return {
+        "final_reward": mean(values(tail(m, FINAL_PCT), "reward_mean")),
+        "start_entropy": start,
+        "late_entropy": late_mean,
+        "late_start_ratio": late_mean / start if late_mean is not None and start else None,
+        "band_share": band_share(band, late_h),
+        "late_reward_slope": slope_per_100(tail(m, SLOPE_PCT), "reward_mean"),
+        "late_response_length": mean(values(late, "response_length")),
+        **held,
+        **{f"hard_{name}": v for name, v in hard.items()},
+    }
+
+
+MEASURES = ("final_reward", "avg_at_k", "pass_at_k", "greedy_accuracy", "start_entropy", "late_entropy",
+            "late_start_ratio", "band_share", "late_reward_slope", "hard_avg_at_k", "hard_pass_at_k",
+            "hard_greedy_accuracy", "late_response_length")
+
+
+def ordered_benches(names) -> list[str]:
+    """Bench names in the order aime24, aime25, amc23, math500, then the others sorted."""
+    names = set(names)
+    return [b for b in BENCH_ORDER if b in names] + sorted(names - set(BENCH_ORDER))
+
+
+def bench_measures(summary: dict) -> dict:
+    """The comparison's numbers from one ``stare eval`` summary.json."""
+    ci = (summary.get("ci95") or {}).get("avg_at_k") or [None, None]
+    return {"k": summary.get("k"), "avg_at_k": num(summary.get("avg_at_k")), "pass_at_k": num(summary.get("pass_at_k")),
+            "ci_low": num(ci[0]), "ci_high": num(ci[1]), "reflection": num(summary.get("reflection_per_1k_tokens")),
+            "model": summary.get("model")}
+
+
+def summarise_benches(evals: list[dict]) -> dict:
+    """bench -> {"k", "avg_at_k", "pass_at_k", "reflection" (each mean/std/n over the runs that have the bench),
+    "ci95" (the bootstrap interval, only when one run has it)} over several runs' ``bench -> summary`` maps."""
+    out = {}
+    for b in ordered_benches({b for e in evals for b in e}):
+        cells = [bench_measures(e[b]) for e in evals if b in e]
+        ks = list(dict.fromkeys(c["k"] for c in cells if c["k"] is not None))
+        one = cells[0] if len(cells) == 1 else None
+        out[b] = {"k": ks[0] if len(ks) == 1 else "/".join(map(str, ks)) or None,
+                  "avg_at_k": aggregate([c["avg_at_k"] for c in cells]),
+                  "pass_at_k": aggregate([c["pass_at_k"] for c in cells]),
+                  "reflection": aggregate([c["reflection"] for c in cells]),
+                  "ci95": [one["ci_low"], one["ci_high"]] if one and one["ci_low"] is not None else None}
+    return out
+
+
+def aggregate(values: list[float | None]) -> dict:
+    """Mean, sample std (None for one value) and count of the values that are not None."""
+    present = [v for v in values if v is not None]
+    return {"mean": mean(present), "std": statistics.stdev(present) if len(present) > 1 else None,
+            "n": len(present)}
+
+
+def common_k(runs: list[Run]) -> int | None:
+    ks = {r.eval["k"] for r in runs if r.eval}
+    if len(ks) > 1:
+        raise ValueError(f"the runs were evaluated with different k ({', '.join(map(str, sorted(ks)))}); "
+                         "avg@k and pass@k are comparable only for one k")
+    return ks.pop() if ks else None
+
+
+def summarise_arm(runs: list[Run]) -> dict:
+    """One arm's seeds: each run's measures and, per measure, mean, sample std and count over the seeds.
+
+    Returns ``{"arm", "n_seeds", "seeds", "k", "metrics": {measure: {"mean", "std", "n"}}, "runs": [...]}``;
+    the measures are named as in ``MEASURES`` (``avg_at_k`` etc., with ``k`` given separately).
+    """
+    if not runs:
+        raise ValueError("summarise_arm needs at least one run")
+    names = {r.algo for r in runs}
+    if len(names) > 1:
+        raise ValueError(f"summarise_arm takes the runs of one algorithm, got {', '.join(sorted(names))}")
+    seeds = [r.seed for r in runs]
+    dup = {s for s in seeds if s is not None and seeds.count(s) > 1}
+    if dup:
+        raise ValueError(f"arm {runs[0].algo} has more than one run with seed {sorted(dup)[0]}: "
+                         + ", ".join(str(r.path) for r in runs if r.seed in dup))
+    k = common_k(runs)
+    per_run = []
+    for r in runs:
+        planned = (r.config.get("settings") or {}).get("steps")
+        per_run.append({"path": str(r.path), "seed": r.seed, "steps": r.metrics[-1]["step"],
+                        "planned_steps": planned, "has_eval": r.eval is not None, **run_measures(r)})
+    return {
+        "arm": runs[0].algo,
+        "n_seeds": len(runs),
+        "seeds": seeds,
+        "k": k,
+        "metrics": {name: aggregate([p[name] for p in per_run]) for name in MEASURES},
+        "benches": summarise_benches([r.evals for r in runs]),
+        "runs": per_run,
+    }

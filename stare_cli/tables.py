@@ -1,0 +1,307 @@
+"""The comparison table, one definition for ``stare run`` and ``stare compare``: ``comparison.md``,
+``comparison.csv`` and ``comparison.json`` from run records (``stare.cli.runs.Run``) and evaluation outputs.
+
+Rows: a warm-start row when the runs' eval.json files carry the warm start's numbers, then one row per arm.
+An arm is the runs of one algorithm that differ only in their seed (same preset, settings and algorithm
+settings; a repeat of a seed is an arm of its own); its cells are mean ± sample std over the seeds. Two arms
+of one algorithm are labelled with their folders. Arms come in the registry's order
+(``stare algos``: grpo, dr-grpo, dapo, stare, stare-c2, stare-phi), then runs without a known algorithm
+(OpenRLHF logs without a config.yaml), then evaluations that belong to no run given, one row per model.
+The row order does not depend on the order the folders were named in, so both commands write the same table.
+
+Columns: arm, seeds, final reward (last ``FINAL_PCT``% of steps), held-out avg@k, pass@k and greedy accuracy
+(eval.json), start H (first step), late H, late/start H and band share (last ``LATE_PCT``% of steps), reward
+slope (least squares over the last ``SLOPE_PCT``% of steps); then, when there are hard cases, hard avg@k and
+pass@k and the permutation-test p against the baseline; then, when any row has ``stare eval`` outputs, avg@k
+(with its 95% interval for one run) and pass@k per benchmark and reflection words per 1k tokens. The CSV also
+has the late response length. A value that cannot be computed is a blank cell, never 0.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from stare.algorithms import ALGORITHMS
+from stare.eval.metrics import permutation_test
+
+from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, Run, aggregate, common_k, held_out, ordered_benches, run_band,
+                   summarise_arm, summarise_benches)
+
+
+def _arm_key(run: Run) -> str:
+    """What makes two runs seeds of one arm: the same algorithm, preset, settings (but the seed) and algorithm
+    settings. Runs without an algorithm (OpenRLHF logs without config.yaml) are each their own arm."""
+    if run.algo is None:
+        return f"path:{run.path}"
+    settings = {k: v for k, v in (run.config.get("settings") or {}).items() if k != "seed"}
+    return json.dumps([run.algo, run.config.get("preset"), settings, run.config.get("algo")], sort_keys=True,
+                      default=str)
+
+
+def algo_rank(algo: str | None) -> int:
+    """Position of an algorithm in the registry's order; unknown names and None come after every known one."""
+    names = list(ALGORITHMS)
+    return names.index(algo) if algo in names else len(names)
+
+
+def group_arms(runs: list[Run]) -> list[list[Run]]:
+    """The runs grouped into arms (see ``_arm_key``), in the registry's algorithm order, then first-seen order."""
+    arms: dict[str, list[list[Run]]] = {}
+    for r in runs:
+        groups = arms.setdefault(_arm_key(r), [])
+        # a run with the same settings and seed as one already in the arm (a repeat, e.g. `stare train` of an
+        # arm `stare run` also trained) is not another seed: it starts an arm of its own
+        home = next((g for g in groups if all(x.seed != r.seed for x in g)), None)
+        if home is None:
+            groups.append([r])
+        else:
+            home.append(r)
+    flat = [g for groups in arms.values() for g in groups]
+    return sorted(flat, key=lambda group: algo_rank(group[0].algo))  # sorted() is stable
+
+
+def arm_labels(arms: list[list[Run]]) -> list[str]:
+    """One label per arm: the algorithm's name, with the arm's folder added when two arms share a name."""
+    names = [group[0].algo or "openrlhf" for group in arms]
+    labels = []
+    for name, group in zip(names, arms):
+        if names.count(name) == 1:
+            labels.append(name)
+        else:
+            where = Path(group[0].path) if len(group) == 1 else Path(group[0].path).parent
+            labels.append(f"{name} ({where})")
+    return labels
+
+
+def common(values):
+    """The value all of them share, or the distinct values joined with '/' (None when there are none)."""
+    distinct = list(dict.fromkeys(v for v in values if v is not None))
+    if len(distinct) == 1:
+        return distinct[0]
+    return "/".join(map(str, distinct)) if distinct else None
+
+
+def reference_band(runs: list[Run]) -> tuple[float, float] | None:
+    """The band of the first arm with a band controller, else of the first run that names one."""
+    banded = [r for r in runs if r.config["algo"].get("stare") and r.config["algo"].get("controller") == "band"]
+    for r in banded + runs:
+        if run_band(r):
+            return run_band(r)
+    return None
+
+
+def _warmstart(runs: list[Run], k: int | None) -> dict | None:
+    """The warm start's held-out numbers, one per seed (every arm of a seed starts from the same warm start)."""
+    by_seed: dict = {}
+    for r in runs:
+        if r.eval and isinstance(r.eval.get("warmstart"), dict):
+            by_seed.setdefault((r.config.get("preset"), r.seed), r.eval["warmstart"])
+    if not by_seed:
+        return None
+    per_seed = []
+    for ws in by_seed.values():
+        numbers = held_out(ws, ws.get("k", k))
+        hard = held_out(ws.get("hard"), ws.get("k", k))
+        numbers.update({"hard_avg_at_k": hard["avg_at_k"], "hard_pass_at_k": hard["pass_at_k"]})
+        per_seed.append(numbers)
+    return {"n_seeds": len(per_seed), "seeds": [seed for _, seed in by_seed],
+            "metrics": {name: aggregate([p[name] for p in per_seed]) for name in per_seed[0]}}
+
+
+def _fmt(x: float | None, signed: bool = False, digits: int = 3) -> str:
+    if x is None:
+        return ""
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _cell(agg: dict | None, n_seeds: int, signed: bool = False, digits: int = 3) -> str:
+    """``mean ± std`` (``mean`` alone for one value), with ``(n=…)`` when some seeds lack the measure."""
+    if not agg or agg["mean"] is None:
+        return ""
+    text = _fmt(agg["mean"], signed, digits)
+    if agg["std"] is not None:
+        text += f" ± {_fmt(agg['std'], digits=digits)}"
+    if agg["n"] < n_seeds:
+        text += f" (n={agg['n']})"
+    return text
+
+
+def _bench_cell(cell: dict | None, n_seeds: int) -> str:
+    """avg@k with its 95% bootstrap interval (one run) or ± std (several), and k."""
+    if not cell or cell["avg_at_k"]["mean"] is None:
+        return ""
+    text = _cell(cell["avg_at_k"], n_seeds)
+    if cell["ci95"]:
+        text += f" [{_fmt(cell['ci95'][0])}, {_fmt(cell['ci95'][1])}]"
+    return text + f" (k={cell['k']})"
+
+
+def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = ()) -> dict:
+    """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
+
+    ``runs``: training runs (their ``evals`` already joined); ``evals``: summary.json dicts of evaluations that
+    belong to none of the runs (one row per model). The rows and columns are those of the module docstring. With
+    hard-case results, each arm's per-seed hard pass@k is tested against ``baseline``'s (one-sided exact
+    permutation test; both arms need two seeds or more).
+    """
+    if not runs and not evals:
+        raise ValueError("write_comparison needs at least one run or evaluation")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    k = common_k(runs)
+    groups = group_arms(runs)
+    arms = [summarise_arm(group) for group in groups]
+    for arm, label in zip(arms, arm_labels(groups)):
+        arm["label"] = label
+    by_model: dict[str, list[dict]] = {}
+    for s in evals:  # evaluations of one model, one bench each
+        by_model.setdefault(str(s.get("model")), []).append(s)
+    eval_rows = [{"label": model, "model": model, "benches": summarise_benches([{s["bench"]: s} for s in group])}
+                 for model, group in by_model.items()]
+    for row in eval_rows:  # several evaluations of one model on one bench would be averaged: keep the last
+        row["benches"] = summarise_benches([{s["bench"]: s for s in by_model[row["model"]]}])
+    settings = [r.config.get("settings") or {} for r in runs]
+    band = reference_band(runs)
+    has_hard = any(a["metrics"]["hard_pass_at_k"]["n"] or a["metrics"]["hard_avg_at_k"]["n"] for a in arms)
+    base = next((a for a in arms if a["arm"] == baseline), None)
+    test_name = f"one-sided exact permutation test on per-seed hard-case pass@k vs {baseline}"
+
+    # p-values: each arm's per-seed hard pass@k against the baseline's
+    def hard_pass(arm: dict) -> list[float]:
+        return [p["hard_pass_at_k"] for p in arm["runs"] if p["hard_pass_at_k"] is not None]
+
+    tested_sizes = set()
+    for arm in arms:
+        arm["p_hard_pass_vs_baseline"] = None
+        if base is not None and arm is not base and len(hard_pass(arm)) >= 2 and len(hard_pass(base)) >= 2:
+            arm["p_hard_pass_vs_baseline"] = permutation_test(hard_pass(arm), hard_pass(base))
+            tested_sizes.add((len(hard_pass(arm)), len(hard_pass(base))))
+    show_p = has_hard and base is not None
+
+    notes = []
+    if tested_sizes:
+        smallest = ", ".join(f"{1 / math.comb(na + nb, na):.3g} for {na} vs {nb} seeds"
+                             for na, nb in sorted(tested_sizes))
+        notes.append(f"p: {test_name} (smallest attainable p: {smallest}).")
+    elif has_hard:
+        why = f"no baseline arm {baseline!r}" if base is None else "each arm needs two seeds or more with results"
+        notes.append(f"No p-values ({test_name}): {why}.")
+    local = {str(r.path) for r in runs if r.config.get("backend") == "local"}  # runs that write eval.json
+    for arm in arms:
+        for p in arm["runs"]:
+            if not p["has_eval"] and p["path"] in local:
+                notes.append(f"{p['path']}: no eval.json (interrupted?); its held-out cells are blank.")
+            if isinstance(p["planned_steps"], int) and p["steps"] < p["planned_steps"]:
+                notes.append(f"{p['path']}: stopped at step {p['steps']} of {p['planned_steps']}.")
+    if any(run_band(r) != band for r in runs if run_band(r)):
+        notes.append("The arms' configs name different entropy bands; each band share uses its own arm's band.")
+
+    summary = {
+        "preset": common(r.config.get("preset") for r in runs),
+        "task": common(s.get("task") for s in settings),
+        "steps": common(s.get("steps") for s in settings),
+        "k": k,
+        "band": list(band) if band else None,
+        "baseline": baseline,
+        "test": test_name if tested_sizes else None,
+        "warmstart": _warmstart(runs, k),
+        "arms": arms,
+        "evals": eval_rows,
+        "notes": notes,
+    }
+
+    # columns: (measure, md header, csv name, signed, shown in the markdown)
+    # labels name k: the evaluated one, else the configs' eval_k (an arm without eval.json has blank cells anyway)
+    kk = str(k if k is not None else common(s.get("eval_k") for s in settings) or "k")
+    columns = [("final_reward", "final reward", "final_reward", False, True),
+               ("avg_at_k", f"avg@{kk}", f"avg_at_{kk}", False, True),
+               ("pass_at_k", f"pass@{kk}", f"pass_at_{kk}", False, True),
+               ("greedy_accuracy", "greedy", "greedy_accuracy", False, True),
+               ("start_entropy", "start H", "start_entropy", False, True),
+               ("late_entropy", "late H", "late_entropy", False, True),
+               ("late_start_ratio", "late/start H", "late_start_ratio", False, True),
+               ("band_share", "band share", "band_share", False, True),
+               ("late_reward_slope", "reward slope /100 steps", "late_reward_slope_per_100", True, True)]
+    if has_hard:
+        columns += [("hard_avg_at_k", f"hard avg@{kk}", f"hard_avg_at_{kk}", False, True),
+                    ("hard_pass_at_k", f"hard pass@{kk}", f"hard_pass_at_{kk}", False, True)]
+    columns += [("late_response_length", "late response length", "late_response_length", False, False)]
+    p_col = f"p hard pass@{kk} vs {baseline}"
+    benches = ordered_benches({b for row in arms + eval_rows for b in row["benches"]})
+    has_reflection = any(c["reflection"]["n"] for row in arms + eval_rows for c in row["benches"].values())
+
+    def reflection(row: dict) -> dict | None:  # the first bench (in bench order) that measured it
+        return next((c["reflection"] for c in row["benches"].values() if c["reflection"]["n"]), None)
+
+    ws = summary["warmstart"]
+    # (md label, csv name, seeds, metrics, p, benches)
+    rows = ([("warm start (before RL)", "warmstart", ws["n_seeds"], ws["metrics"], None, {})] if ws else []) + \
+           [(a["label"], a["label"], a["n_seeds"], a["metrics"], a["p_hard_pass_vs_baseline"], a["benches"])
+            for a in arms] + \
+           [(e["label"], e["label"], 1, {}, None, e["benches"]) for e in eval_rows]
+
+    # comparison.md
+    seeds = common(a["n_seeds"] for a in arms)
+    header = (f"preset {summary['preset']}, task {summary['task']}, {summary['steps']} steps, {seeds} seed(s) per "
+              f"arm, held-out k = {kk}, target entropy band "
+              + (f"[{band[0]:.2f}, {band[1]:.2f}]" if band else "(none)"))
+    shown = [c for c in columns if c[4]]
+    titles = ["arm", "seeds"] + [c[1] for c in shown] + ([p_col] if show_p else [])
+    for b in benches:
+        titles += [f"{b} avg@k", f"{b} pass@k"]
+    titles += ["reflection /1k tok"] if has_reflection else []
+    md = ["# Comparison", "", header, "",
+          "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    for label, _, n, metrics, p, bench_cells in rows:
+        cells = [label, str(n)] + [_cell(metrics.get(c[0]), n, c[3]) for c in shown] + ([_fmt(p)] if show_p else [])
+        for b in benches:
+            cell = bench_cells.get(b)
+            cells += [_bench_cell(cell, n), _cell(cell["pass_at_k"], n) if cell else ""]
+        if has_reflection:
+            cells.append(_cell(reflection({"benches": bench_cells}), n, digits=2))
+        md.append("| " + " | ".join(cells) + " |")
+    md += ["", f"final reward: mean reward over the last {FINAL_PCT}% of steps; late H and band share: the last "
+           f"{LATE_PCT}% of steps; reward slope: least squares over the last {SLOPE_PCT}% of steps; "
+           "held-out numbers from eval.json; mean ± sample std over seeds."]
+    if benches:
+        md += ["", "<bench> avg@k: `stare eval` of the run's final model (eval-<bench>/summary.json, or an "
+               "evaluation whose model is the run's final/), with its 95% bootstrap interval over problems for "
+               "one run, mean ± sample std over seeds for several."]
+    md += ([""] + [f"- {n}" for n in notes]) if notes else []
+    (out_dir / "comparison.md").write_text("\n".join(md) + "\n")
+
+    # comparison.csv
+    fields = ["arm", "seeds"] + [f"{c[2]}_{s}" for c in columns for s in ("mean", "std")] + \
+             ([f"p_hard_pass_at_{kk}_vs_{baseline}"] if show_p else [])
+    for b in benches:
+        fields += [f"{b}_avg_at_k_mean", f"{b}_avg_at_k_std", f"{b}_ci_low", f"{b}_ci_high", f"{b}_pass_at_k_mean",
+                   f"{b}_pass_at_k_std", f"{b}_k"]
+    fields += ["reflection_per_1k_tokens_mean", "reflection_per_1k_tokens_std"] if has_reflection else []
+
+    def pair(agg: dict | None) -> list[str]:
+        agg = agg or {}
+        return ["" if agg.get(s) is None else repr(agg[s]) for s in ("mean", "std")]
+
+    with open(out_dir / "comparison.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        for _, name, n, metrics, p, bench_cells in rows:
+            cells = [name, n]
+            for c in columns:
+                cells += pair(metrics.get(c[0]))
+            cells += [("" if p is None else repr(p))] if show_p else []
+            for b in benches:
+                cell = bench_cells.get(b)
+                if cell is None:
+                    cells += [""] * 7
+                    continue
+                ci = cell["ci95"] or ["", ""]
+                cells += pair(cell["avg_at_k"]) + ["" if v is None else repr(v) for v in ci] + \
+                    pair(cell["pass_at_k"]) + [cell["k"] if cell["k"] is not None else ""]
+            cells += pair(reflection({"benches": bench_cells})) if has_reflection else []
+            writer.writerow(cells)
+
+    (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

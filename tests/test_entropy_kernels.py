@@ -1,0 +1,301 @@
+"""entropy_sensitivity's two kernels against an independent float64 full-softmax computation.
+
+The torch path runs as is; the fused Triton kernel runs on CPU through Triton's interpreter (TRITON_INTERPRET=1,
+set by the ``triton_kernel`` fixture before the kernel module is (re)imported), which executes every program in
+Python: the Triton cases are kept to a few hundred rows. Also: strided views are read without a full copy
+(allocation sizes recorded with a TorchDispatchMode), and the kernel choice.
+"""
+import importlib
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from stare.algorithms import entropy_sensitivity
+from stare.algorithms.entropy import KERNELS, _resolve_kernel
+
+
+def reference(logits: torch.Tensor, actions: torch.Tensor, temperature: float = 1.0):
+    """float64 on the full [..., V] softmax, from the definitions; -inf logits have p = 0 and add nothing."""
+    logp = torch.log_softmax(logits.detach().double() / temperature, dim=-1)
+    p = logp.exp()
+    s = -logp
+    h = torch.where(p > 0, p * s, 0.0).sum(-1)
+    s_a = s.gather(-1, actions[..., None]).squeeze(-1)
+    p_a = p.gather(-1, actions[..., None]).squeeze(-1)
+    phi = torch.where(p_a > 0, p_a * (s_a - h), 0.0) - torch.where(p > 0, p * p * (s - h[..., None]), 0.0).sum(-1)
+    return h, s_a, phi
+
+
+def assert_matches(stats, logits, actions, temperature=1.0, tol=1e-5):
+    """Within ``tol`` plus what rounding the scaled logits z / T to float32 alone can cause (a few ulps of |z|)."""
+    finite = logits.detach()[torch.isfinite(logits.detach())].abs()
+    atol = tol + 4 * torch.finfo(torch.float32).eps * (float(finite.max()) / temperature if finite.numel() else 0.0)
+    for name, got, want in zip(("entropy", "surprisal", "phi"), stats, reference(logits, actions, temperature)):
+        assert got.dtype == torch.float32 and got.shape == actions.shape, name
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """The Triton kernel module compiled for the CPU interpreter; restored afterwards."""
+    pytest.importorskip("triton")
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. when the module is (re)imported
+    from stare.algorithms import _entropy_triton
+    module = importlib.reload(_entropy_triton)
+    assert module.interpreting()
+    yield module
+    if before is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+    importlib.reload(module)
+
+
+@pytest.fixture(params=["torch", "triton"])
+def kernel(request):
+    if request.param == "triton":
+        request.getfixturevalue("interpreter")
+    return request.param
+
+
+def random_case(g: torch.Generator, i: int):
+    """Vocabulary sizes around the interpreter's 256-column block, sharp to flat rows, big offsets."""
+    vocab = [1, 2, 3, 17, 255, 256, 257, 300, 513, 64][i % 10]
+    scale = [0.01, 1.0, 4.0, 30.0, 300.0][i % 5]
+    offset = [0.0, 1e3, -1e3][i % 3]
+    rows = torch.randn(2, 2, vocab, generator=g, dtype=torch.float64) * scale + offset
+    dtype = torch.bfloat16 if i % 2 else torch.float32
+    logits = rows.to(dtype)
+    temperature = [1.0, 0.6, 1.7][(i // 2) % 3]
+    probs = torch.softmax(logits.double() / temperature, -1)
+    sampled = torch.multinomial(probs.reshape(-1, vocab), 1, generator=g).view(2, 2)
+    uniform = torch.randint(0, vocab, (2, 2), generator=g)  # often very unlikely tokens at high scale
+    actions = torch.where(torch.rand(2, 2, generator=g) < 0.5, sampled, uniform)
+    return logits, actions, temperature
+
+
+def test_kernels_match_float64_on_random_cases(kernel):
+    g = torch.Generator().manual_seed(11)
+    for i in range(30):
+        logits, actions, temperature = random_case(g, i)
+        if i % 3 == 1:  # a strided view, as the plugin passes it
+            padded = torch.cat([logits, logits[:, :1]], dim=1)
+            logits = padded[:, :-1]
+            assert not logits.is_contiguous()
+        stats = entropy_sensitivity(logits, actions, temperature=temperature, kernel=kernel)
+        assert_matches(stats, logits, actions, temperature)
+
+
+def test_phi_matches_finite_differences(kernel):
+    """Phi is dH along e_a - p, independently of any closed form: central differences of the exact entropy."""
+    g = torch.Generator().manual_seed(12)
+    for trial in range(25):
+        V = int(torch.randint(2, 60, (1,), generator=g))
+        z = torch.randn(V, generator=g, dtype=torch.float64) * float(torch.rand(1, generator=g) * 6)
+        a = int(torch.randint(0, V, (1,), generator=g))
+        direction = -torch.softmax(z, -1)
+        direction[a] += 1.0
+
+        def exact_entropy(x):
+            logp = torch.log_softmax(x, -1)
+            return -(logp.exp() * logp).sum()
+
+        eps = 1e-5
+        fd = (exact_entropy(z + eps * direction) - exact_entropy(z - eps * direction)) / (2 * eps)
+        phi = entropy_sensitivity(z.float(), torch.tensor(a), kernel=kernel).phi
+        assert phi.shape == () and phi.item() == pytest.approx(fd.item(), abs=2e-6, rel=2e-4), (trial, V)
+
+
+def test_chunk_and_block_boundaries(kernel, request):
+    """The running maximum first, last and in the middle of the row; rows and columns that do not divide evenly."""
+    V = 37
+    ramp = torch.linspace(-6.0, 6.0, V)
+    logits = torch.stack([ramp, ramp.flip(0), torch.sin(torch.arange(V) * 1.3) * 8, torch.zeros(V),
+                          torch.randn(V, generator=torch.Generator().manual_seed(13)) * 3,
+                          torch.full((V,), 5.0).index_fill(0, torch.tensor([18]), 40.0), ramp * 0.01])
+    actions = torch.tensor([36, 36, 5, 0, 17, 18, 3])
+    if kernel == "torch":
+        for chunk in (1, 2, 3, 7, 100):
+            assert_matches(entropy_sensitivity(logits, actions, chunk_size=chunk, kernel="torch"), logits, actions)
+        return
+    module = request.getfixturevalue("interpreter")
+    for block_v in (8, 16, 32, 64):  # 37 = 4 x 8 + 5 = 2 x 16 + 5 = 32 + 5 = one partial block of 64
+        out = [torch.empty(7) for _ in range(3)]
+        module.entropy_stats_block(logits[None], actions, *out, temperature=1.0, block_v=block_v)
+        assert_matches(tuple(out), logits, actions)
+
+
+def test_strided_views_and_shapes(kernel):
+    g = torch.Generator().manual_seed(14)
+    V = 70
+    full = torch.randn(2, 7, V, generator=g) * 3
+    views = {
+        "plugin slice": full[:, :-1][:, -4:],
+        "transposed": full.transpose(0, 1),
+        "every other row": full[:, ::2],
+        "vocab stride 2": full[..., ::2],
+        "4-d permuted": full[:, :6].reshape(2, 2, 3, V).permute(1, 2, 0, 3),
+        "bf16 slice": full.to(torch.bfloat16)[:, 1:-2],
+        "one row": full[1, 4],
+        "requires grad": full.clone().requires_grad_()[:, 2:4],
+        "empty": full[:, :0],
+    }
+    for name, logits in views.items():
+        actions = torch.randint(0, logits.shape[-1], logits.shape[:-1], generator=g)
+        stats = entropy_sensitivity(logits, actions, kernel=kernel)
+        assert_matches(stats, logits, actions)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the deliberate inf and NaN rows
+def test_triton_neg_inf_logits_and_bad_actions(interpreter):
+    """-inf entries (a masked vocabulary) count as p = 0 (an action on one has s_a = inf and Phi its p_a -> 0 limit);
+    an action id outside [0, V) gives NaN, not a wild read; an all -inf row gives NaN."""
+    g = torch.Generator().manual_seed(15)
+    logits = torch.randn(4, 300, generator=g) * 2
+    logits[0, :260] = float("-inf")  # whole first block masked: the running max starts at -inf
+    logits[1, 100:] = float("-inf")
+    logits[2, ::3] = float("-inf")
+    actions = torch.tensor([280, 7, 1, 299])
+    for dtype in (torch.float32, torch.bfloat16):
+        z = logits.to(dtype)
+        assert_matches(entropy_sensitivity(z, actions, kernel="triton"), z, actions)
+    on_masked = torch.tensor([3, 200, 0, 5])  # actions whose logit is -inf (not row 3): s_a = inf, Phi = -sum p^2 (s - H)
+    stats = entropy_sensitivity(logits, on_masked, kernel="triton")
+    assert torch.isinf(stats.surprisal[:3]).all()
+    assert_matches(stats, logits, on_masked)
+    bad = entropy_sensitivity(logits[3:], torch.tensor([300]), kernel="triton")
+    assert torch.isnan(bad.surprisal).all() and torch.isnan(bad.phi).all()
+    assert bad.entropy.item() == pytest.approx(reference(logits[3:], torch.tensor([0]))[0].item(), abs=1e-5)
+    nothing = entropy_sensitivity(torch.full((1, 300), float("-inf")), torch.tensor([1]), kernel="triton")
+    assert all(torch.isnan(t).all() for t in nothing)  # no distribution at all, as on the torch path
+    with_nan = logits[3:].clone()
+    with_nan[0, 123] = float("nan")
+    assert all(torch.isnan(t).all() for t in entropy_sensitivity(with_nan, torch.tensor([1]), kernel="triton"))
+
+
+def test_strided_logits_are_never_copied_whole():
+    """The plugin's ``logits[:, :-1][:, -w:]`` is not contiguous: no tensor bigger than one chunk may be created.
+
+    Every aten op's fresh outputs (storage not shared with an input) are recorded; the largest must be one
+    float32 chunk, while the old ``reshape(-1, V)`` copied all [B, A, V] first.
+    """
+
+    class FreshAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.sizes.append(t.untyped_storage().nbytes())
+            return out
+
+    g = torch.Generator().manual_seed(16)
+    B, T, A, V, chunk = 3, 41, 25, 500, 4
+    for dtype in (torch.float32, torch.bfloat16):
+        full = (torch.randn(B, T, V, generator=g) * 3).to(dtype)
+        logits = full[:, :-1][:, -A:]
+        assert not logits.is_contiguous()
+        actions = torch.randint(0, V, (B, A), generator=g)
+        with FreshAllocations() as rec:
+            stats = entropy_sensitivity(logits, actions, chunk_size=chunk, kernel="torch")
+        assert_matches(stats, logits, actions)
+        one_chunk = chunk * V * 4  # [chunk, V] float32
+        assert max(rec.sizes) == one_chunk, (dtype, max(rec.sizes), one_chunk)
+        assert B * A * V * logits.element_size() > 4 * one_chunk
+
+
+def test_torch_path_numbers_do_not_depend_on_the_layout():
+    """A strided view gives bit-for-bit what its contiguous copy gives (the old code copied, then chunked)."""
+    g = torch.Generator().manual_seed(17)
+    full = torch.randn(3, 20, 3001, generator=g) * 3
+    four_d = full[:, :18].reshape(3, 3, 6, 3001).permute(2, 0, 1, 3)[1:]  # chunks cross two leading dims
+    for logits in (full[:, :-1][:, -12:], full.transpose(0, 1), full[:, ::3], four_d):
+        actions = torch.randint(0, 3001, logits.shape[:-1], generator=g)
+        for kw in ({}, {"chunk_size": 7}, {"chunk_size": 11}, {"temperature": 0.7}):
+            got = entropy_sensitivity(logits, actions, kernel="torch", **kw)
+            want = entropy_sensitivity(logits.contiguous(), actions, kernel="torch", **kw)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), kw
+
+
+def test_kernel_choice(monkeypatch):
+    logits = torch.randn(3, 10)
+    actions = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"unknown kernel 'cuda'; valid choices: auto, torch, triton"):
+        entropy_sensitivity(logits, actions, kernel="cuda")
+    with pytest.raises(ValueError, match=r"actions must be on the logits' device: logits cpu, actions meta"):
+        entropy_sensitivity(logits, actions.to("meta"))  # a kernel would read a pointer of the wrong device
+    assert KERNELS == ("auto", "torch", "triton")
+    assert _resolve_kernel("auto", torch.device("cpu")) == "torch"
+    auto = entropy_sensitivity(logits, actions)
+    assert all(torch.equal(a, b) for a, b in zip(auto, entropy_sensitivity(logits, actions, kernel="torch")))
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert _resolve_kernel("auto", torch.device("cuda")) == "torch"
+        with pytest.raises(ValueError, match="needs the triton package"):
+            entropy_sensitivity(logits, actions, kernel="triton")
+        return
+    assert _resolve_kernel("auto", torch.device("cuda")) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="kernel='triton' needs CUDA tensors"):
+        entropy_sensitivity(logits, actions, kernel="triton")
+
+
+def test_triton_is_pinned_in_the_test_extra():
+    """CI installs the test extra: the interpreter tests above must not be skipped there for want of triton."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (CI's)
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(req.replace(" ", "").startswith("triton==") for req in project["optional-dependencies"]["test"])
+
+
+COMPILE_FOR_HOPPER = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stare.algorithms._entropy_triton import _CONFIGS, _entropy_stats_kernel
+
+signature = {"x_ptr": "*bf16", "act_ptr": "*i64", "h_ptr": "*fp32", "s_ptr": "*fp32", "phi_ptr": "*fp32",
+             "inner": "i32", "stride_outer": "i64", "stride_inner": "i32", "stride_v": "constexpr", "V": "i32",
+             "scale": "fp32", "BLOCK_V": "constexpr", "FAST_EXP": "constexpr"}
+aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 6, 7, 9)}  # what the launcher sees at real sizes
+for config in (_CONFIGS[0], _CONFIGS[-1]):
+    src = ASTSource(fn=_entropy_stats_kernel, signature=signature,
+                    constexprs={"BLOCK_V": config.kwargs["BLOCK_V"], "stride_v": 1, "FAST_EXP": True},
+                    attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                       "enable_fp_fusion": True})
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx, "row loads are not vectorised"
+    per_thread = config.kwargs["BLOCK_V"] // (32 * config.num_warps)
+    assert ptx.count("ex2.approx.ftz.f32") == per_thread + 1, "expected one exp2 per logit (+ the rescale)"
+print("compiled")
+"""
+
+
+def test_triton_kernel_compiles_for_hopper():
+    """The interpreter accepts code the real compiler rejects (it ran a non-constexpr global fine): compile the
+    kernel to PTX for sm_90 with Triton's own compiler and bundled ptxas (so the inline ex2.approx.ftz that the
+    interpreter cannot run is assembled too); no GPU needed. One exp2 per logit and 16-byte loads, as the
+    bandwidth target needs."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

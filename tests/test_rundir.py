@@ -1,0 +1,70 @@
+"""Run-folder ownership (stare.cli.rundir) and eval planning (stare.cli.eval_plan), outside the CLI's code."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from stare.cli.eval_plan import check_harness, eval_target
+from stare.cli.rundir import RunDirError, check_run_dir, check_run_set_dir, final_model, mark_run_set
+
+
+def stare(*args):
+    return subprocess.run([sys.executable, "-m", "stare.cli.main", *args], capture_output=True, text=True)
+
+
+def test_eval_target_takes_a_training_runs_final_model(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ValueError, match="--model is required"):
+        eval_target(None, run, "aime24")  # no config.yaml, no final/
+    (run / "config.yaml").write_text("preset: tiny-cpu\n")
+    (run / "final").mkdir()
+    assert final_model(run) is None  # final/ without a model config: not finished
+    (run / "final" / "config.json").write_text("{}")
+    assert eval_target(None, run, "aime24") == (str(run / "final"), run / "eval-aime24")
+    assert eval_target("owner/name", None, "aime25") == ("owner/name", tmp_path.__class__("evals") / "aime25")
+    with pytest.raises(ValueError, match="neither a folder nor a hub id"):
+        eval_target("runs/tiny/stare/final", None, "aime24")
+    assert eval_target(str(run / "final"), tmp_path / "o", "aime24") == (str(run / "final"), tmp_path / "o")
+
+
+def test_check_harness_combinations():
+    for harness, kw, message in [("helm", {}, "unknown harness 'helm'; valid harnesses: stare, lm-eval"),
+                                 ("stare", {"tools": "bash"}, "unknown tool 'bash'"),
+                                 ("lm-eval", {"tools": "python"}, "--tools works with --harness stare only")]:
+        with pytest.raises(ValueError, match=message):
+            check_harness(harness, "aime24", resume=kw.get("resume", False), tools=kw.get("tools"))
+    check_harness("stare", "math500", resume=True, tools="python")  # fine
+
+
+def test_run_set_folder_ownership(tmp_path):
+    out = tmp_path / "runs"
+    check_run_set_dir(out, "tiny-cpu")  # a new folder
+    mark_run_set(out, "tiny-cpu", ["grpo", "stare"], 2)
+    assert yaml.safe_load((out / "run.yaml").read_text()) == {"preset": "tiny-cpu", "algos": ["grpo", "stare"],
+                                                               "seeds": 2}
+    check_run_set_dir(out, "tiny-cpu")  # the same preset: resumable
+    with pytest.raises(RunDirError, match="holds a run of preset 'tiny-cpu'"):
+        check_run_set_dir(out, "tiny-explore")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(RunDirError, match="is not empty and holds no stare run"):
+        check_run_set_dir(other, "tiny-cpu")
+
+
+def test_a_broken_marker_or_config_is_one_line_exit_2(tmp_path):
+    """A run.yaml / config.yaml that is not YAML: one line naming the file (it was a yaml traceback)."""
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "run.yaml").write_text("preset: [unclosed\n")
+    res = stare("run", "--preset", "tiny-cpu", "--out", str(out))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "run.yaml is not valid YAML" in lines[0]
+    run = tmp_path / "one"
+    run.mkdir()
+    (run / "config.yaml").write_text("algo: [unclosed\n")
+    with pytest.raises(RunDirError, match="config.yaml is not valid YAML"):
+        check_run_dir(run, {"preset": "tiny-cpu", "algo": {"name": "grpo"}}, True)
