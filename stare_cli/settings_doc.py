@@ -47,6 +47,7 @@ ALGO_SETTING_HELP = {
     "band_target": "band gate: strength starts below this (null: band_high)",
     "gain": "band gate: strength per unit of shortfall (1: full strength exactly at band_low)",
     "two_sided": "band gate: above band_high, push entropy down (mirrored selection)",
+    "telemetry": "what each step logs: full (entropy, shares, Phi forecasts), entropy (batch entropy only) or off",
 }
 
 # One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu).

@@ -321,11 +321,12 @@ def test_last_record_reads_the_last_complete_line(tmp_path):
 
     f = tmp_path / "metrics.jsonl"
     assert last_record(f) == (0, None)
-    f.write_text('{"step": 1, "reward_mean": 0.5, "entropy": 0.9}\n{"step": 2, "reward_mean": 0.625, "entropy": 0.4}\n'
+    f.write_text('{"step": 1, "reward_mean": 0.5, "stare/entropy": 0.9}\n{"step": 2, "reward_mean": 0.625, "stare/entropy": 0.4}\n'
                  '{"step": 3, "rew')  # the writer is mid-line
     n, rec = last_record(f)
     assert n == 2 and rec["step"] == 2
     assert live_status(rec) == "reward 0.62 H 0.40" and live_status(None) == "training"
+    assert live_status({"reward_mean": 0.25}) == "reward 0.25"  # telemetry off: no entropy logged
 
 
 def test_train_progress_shows_live_reward_entropy_and_eta(tmp_path):
@@ -338,7 +339,7 @@ def test_train_progress_shows_live_reward_entropy_and_eta(tmp_path):
     assert res.exit_code == 0, (res.output, res.exception)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     bar = next(line for line in res.stdout.splitlines() if line.startswith("grpo on tiny-cpu"))
-    assert "3/3" in bar and f"reward {last['reward_mean']:.2f} H {last['entropy']:.2f}" in bar, bar
+    assert "3/3" in bar and f"reward {last['reward_mean']:.2f} H {last['stare/entropy']:.2f}" in bar, bar
     assert " eta " in bar and "Setting accelerator" not in res.output
     flat = " ".join(res.stdout.split())  # rich wraps long paths
     assert f"run directory: {out}" in flat and f"(cached in {out / 'warmstart'})" in flat

@@ -1,7 +1,7 @@
 """Progress bars of ``stare run`` and ``stare train`` (local presets): steps, live reward and entropy, clock, ETA.
 
 The live values are the last finished step's mean reward and mean token entropy (``reward_mean`` and
-``entropy`` of its ``metrics.jsonl`` record); the ETA is rich's estimate from the recent step rate.
+``stare/entropy`` of its ``metrics.jsonl`` record); the ETA is rich's estimate from the recent step rate.
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ def columns(name_width: int = 16) -> tuple:
 
 def live_status(rec: dict | None) -> str:
     """'reward 0.81 H 0.42' from a step's metrics record ('training' before the first step)."""
-    if not rec or "reward_mean" not in rec or "entropy" not in rec:
+    if not rec or "reward_mean" not in rec:
         return "training"
-    return f"reward {rec['reward_mean']:.2f} H {rec['entropy']:.2f}"
+    entropy = rec.get("stare/entropy", rec.get("entropy"))  # older runs: "entropy"; telemetry off: none
+    return f"reward {rec['reward_mean']:.2f}" + ("" if entropy is None else f" H {entropy:.2f}")
 
 
 def last_record(path: Path, tail_bytes: int = 65536) -> tuple[int, dict | None]:
