@@ -3,7 +3,8 @@
 ``load_bench(name)`` looks, in order, at ``data_file=`` (a JSONL or parquet file with ``problem`` and ``answer``
 fields, ``id`` optional; ``"hub"`` means the Hugging Face hub), at ``$STARE_DATA_DIR/<name>.jsonl`` (or
 ``.parquet``; ``STARE_DATA_DIR=hub`` also means the hub), at the copy shipped with the package
-(``stare/eval/data_files/<name>.jsonl``: AIME 2024 and 2025, sources and licences in ``SOURCES.txt`` there), and
+(``stare/eval/data_files/<name>.jsonl``: AIME 2024 and 2025, AMC 2023 and MATH-500, sources and licences in
+``SOURCES.txt`` there), and
 finally at the hub copies listed in ``BENCHES`` (first that loads wins). Every problem comes back as a ``Problem``
 with string fields. Nothing but the hub reaches the network; with ``HF_HUB_OFFLINE=1`` it reads only the cache.
 """
@@ -185,7 +186,8 @@ def _is_hub(value) -> bool:
 
 
 def packaged_data_file(name: str) -> Path | None:
-    """The copy of ``name`` shipped with the package, or None when there is none (AMC 2023, MATH-500)."""
+    """The copy of ``name`` shipped with the package, or None when there is none (every bench in ``BENCHES`` has
+    one today; a bench added later may not)."""
     path = PACKAGED_DIR / f"{name}.jsonl"
     return path if path.is_file() else None
 

@@ -127,7 +127,7 @@ def test_stare_run_and_stare_compare_write_the_same_table(tmp_path):
     assert list(rows) == ["warmstart", "grpo", "stare-phi"]
     for arm in ("grpo", "stare-phi"):  # by hand from metrics.jsonl: late H is the mean over the last 25% of steps
         metrics = [json.loads(x) for x in (out / arm / "metrics.jsonl").read_text().splitlines()]
-        late = [m["entropy"] for m in metrics[-1:]]  # 4 steps: ceil(25% of 4) = 1
+        late = [m["stare/entropy"] for m in metrics[-1:]]  # 4 steps: ceil(25% of 4) = 1
         assert float(rows[arm]["late_entropy_mean"]) == pytest.approx(sum(late) / len(late))
         ev = json.loads((out / arm / "eval.json").read_text())
         assert float(rows[arm]["avg_at_8_mean"]) == ev["avg_at_k"] == ev["avg_at_8"]
