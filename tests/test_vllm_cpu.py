@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -143,10 +142,18 @@ def resumed_run(model_dir, work, first_run):
     return out, kept
 
 
+TOOL_PROBLEM = {"id": "t", "answer": "42",
+                "problem": "Use Python to compute 7 times 6: write a short python code block that prints the result."}
+TOOL_K, TOOL_MAX_TOKENS = 4, 96
+
+
 @pytest.fixture(scope="module")
 def tools_run(model_dir, work):
+    (work / "tools.jsonl").write_text(json.dumps(TOOL_PROBLEM) + "\n")
     out = work / "tools"
-    run(eval_args(model_dir, work, out, "--tools", "python", "--limit", "1"), cwd=work, STARE_TOOL_MAX_TURNS="2")
+    run([str(ENV_STARE), "eval", "--bench", "aime25", "--model", str(model_dir), "--backend", "vllm",
+         "--data-file", str(work / "tools.jsonl"), "--k", str(TOOL_K), "--max-tokens", str(TOOL_MAX_TOKENS),
+         "--seed", str(SEED), "--out", str(out), "--tools", "python"], cwd=work, STARE_TOOL_MAX_TURNS="2")
     return out
 
 
@@ -231,16 +238,33 @@ def test_resume_keeps_done_problems_and_redoes_the_rest_identically(first_run, r
 
 
 def test_tool_run_counts_and_summary(tools_run, tokenizer):
+    """The tool loop on the real engine. A vLLM turn ends at the end-of-turn token (<|im_end|>, this model's EOS)
+    or at the budget, not when a code block closes (stop strings cannot say that): a one-turn transcript either
+    ends with the end-of-turn token the loop appends (the model stopped; that token is not counted) or used the
+    whole budget. Where a tool ran, its observation is what the code prints when run here."""
     rows = read_samples(tools_run)
     summary = json.loads((tools_run / "summary.json").read_text())
-    assert [(r["problem_id"], r["sample_idx"]) for r in rows] == [("a", j) for j in range(K)]
+    assert [(r["problem_id"], r["sample_idx"]) for r in rows] == [("t", j) for j in range(TOOL_K)]
     assert summary["tools"]["tool"] == "python" and summary["tools"]["max_turns"] == 2
+    end = "<|im_end|>"
     for r in rows:
         assert 1 <= r["turns"] <= 2 and 0 <= r["tool_calls"] <= r["turns"]
         assert r["tool_calls"] == r["response"].count("```output")  # one observation block per tool call
-        # the budget covers model turns and tool output together
-        assert 0 < r["num_tokens"] and r["num_tokens"] + r["tool_output_tokens"] <= MAX_TOKENS
-        assert "<|im_start|>" not in r["response"].split("```output")[0]  # first turn: no chat markup leaks
+        # the budget covers model turns (with their end tokens) and tool output together
+        assert 0 < r["num_tokens"] and r["num_tokens"] + r["tool_output_tokens"] <= TOOL_MAX_TOKENS
+        if r["tool_calls"] == 0:
+            text = r["response"]
+            stopped = text.endswith(end)
+            body = text[: -len(end)] if stopped else text
+            assert end not in body
+            retok = len(tokenizer(body, add_special_tokens=False)["input_ids"])
+            assert abs(retok - r["num_tokens"]) <= 2, (retok, r)
+            assert (r["num_tokens"] < TOOL_MAX_TOKENS) if stopped else (r["num_tokens"] == TOOL_MAX_TOKENS)
+        else:
+            code = r["response"].split("```python", 1)[1].split("```", 1)[0]
+            observation = r["response"].split("```output\n", 1)[1].split("```", 1)[0]
+            ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+            assert observation.strip() == (ran.stdout + ran.stderr).strip()[:1024].strip()
     assert summary["mean_turns"] == pytest.approx(sum(r["turns"] for r in rows) / len(rows))
     assert summary["mean_tool_calls"] == pytest.approx(sum(r["tool_calls"] for r in rows) / len(rows))
 
