@@ -24,12 +24,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 PY="$ENV_DIR/bin/python"
 
 if [[ -f "$ENV_DIR/.stare-stamp" && "$(cat "$ENV_DIR/.stare-stamp")" == "$STAMP_TEXT" && -x "$PY" ]]; then
-  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO" >/dev/null
+  if ! log=$("$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO" 2>&1); then
+    echo "$log" >&2
+    exit 1
+  fi
   echo "$PY"
   exit 0
 fi
 
-rm -rf "$ENV_DIR"
+if [[ -e "$ENV_DIR" && ! -f "$ENV_DIR/pyvenv.cfg" && -n "$(ls -A "$ENV_DIR" 2>/dev/null)" ]]; then
+  echo "error: $ENV_DIR exists and is not a virtual environment; not replacing it (set STARE_VLLM_CPU_ENV)" >&2
+  exit 2
+fi
+rm -rf "$ENV_DIR"  # a half-made or outdated environment
 python3 -m venv "$ENV_DIR"
 "$PY" -m pip install --quiet --upgrade "pip>=24" setuptools wheel
 "$PY" -m pip install --quiet "$TORCH_PIN"

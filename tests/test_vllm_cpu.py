@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,9 +143,9 @@ def resumed_run(model_dir, work, first_run):
     return out, kept
 
 
-TOOL_PROBLEM = {"id": "t", "answer": "42",
-                "problem": "Use Python to compute 7 times 6: write a short python code block that prints the result."}
-TOOL_K, TOOL_MAX_TOKENS = 4, 96
+# a request this model often answers with a python block and then ends its turn (so the tool runs)
+TOOL_PROBLEM = {"id": "t", "answer": "42", "problem": "Write a python code block that prints 7*6. Do not explain it."}
+TOOL_K, TOOL_MAX_TOKENS = 6, 128
 
 
 @pytest.fixture(scope="module")
@@ -261,10 +262,14 @@ def test_tool_run_counts_and_summary(tools_run, tokenizer):
             assert abs(retok - r["num_tokens"]) <= 2, (retok, r)
             assert (r["num_tokens"] < TOOL_MAX_TOKENS) if stopped else (r["num_tokens"] == TOOL_MAX_TOKENS)
         else:
-            code = r["response"].split("```python", 1)[1].split("```", 1)[0]
-            observation = r["response"].split("```output\n", 1)[1].split("```", 1)[0]
+            first_turn, rest = r["response"].split("```output\n", 1)
+            assert first_turn.endswith(end + "\n<|im_start|>user\n")  # the turn ended with its end token
+            code = re.findall(r"```(?:python|py)[ \t]*\r?\n(.*?)```", first_turn, re.DOTALL)[-1]
+            observation = rest.split("\n```", 1)[0]
             ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-            assert observation.strip() == (ran.stdout + ran.stderr).strip()[:1024].strip()
+            if ran.returncode == 0 and not ran.stderr and len(ran.stdout) < 1000:
+                assert observation == (ran.stdout.rstrip("\n") or "(no output)")
+    assert any(r["tool_calls"] for r in rows), "no sample called the tool: the vLLM tool path was not exercised"
     assert summary["mean_turns"] == pytest.approx(sum(r["turns"] for r in rows) / len(rows))
     assert summary["mean_tool_calls"] == pytest.approx(sum(r["tool_calls"] for r in rows) / len(rows))
 
