@@ -93,6 +93,10 @@ def main(model: str, out_path: str) -> None:
             skip_special_tokens=True),
         "text": greedy["text"],
     }
+    # --- include_stop_str_in_output with the EOS and a stop token id (the tool loop and OpenRLHF set it)
+    inc = gen(SamplingParams(n=1, temperature=0.0, max_tokens=48, skip_special_tokens=False,
+                             include_stop_str_in_output=True))[0][0]
+    found["eos"]["text_has_eos_token_skip_false_include_stop"] = found["eos_token"] in inc["text"]
     # --- skip_special_tokens on a special token inside the output: EOS ignored, so it is generated mid-text
     kw = dict(n=1, temperature=0.0, max_tokens=len(greedy["token_ids"]) + 4, ignore_eos=True)
     past = gen(SamplingParams(**kw))[0][0]
@@ -117,7 +121,10 @@ def main(model: str, out_path: str) -> None:
         "text_equals_decode_without_stop_id": st["text"] == tok.decode(st["token_ids"][:-1],
                                                                        skip_special_tokens=True),
     }
-    # the special token <|im_start|> as a stop id with skip_special_tokens False: is it in the text?
+    sti = gen(SamplingParams(n=1, temperature=0.0, max_tokens=48, stop_token_ids=[stop_id],
+                             include_stop_str_in_output=True))[0][0]
+    found["stop_token_id"]["include_text_equals_decode_of_all_ids"] = sti["text"] == tok.decode(
+        sti["token_ids"], skip_special_tokens=True)
     # --- a stop string: a word from the middle of the greedy answer
     words = greedy["text"].split()
     stop_str = words[len(words) // 2] if words else "is"

@@ -308,12 +308,14 @@ def test_probe_stop_reasons_and_token_ids(probe):
     eos = probe["eos"]
     assert eos["finish_reason"] == "stop" and eos["stop_reason"] is None and eos["last_token_is_eos"]
     assert not eos["text_has_eos_token_skip_true"] and not eos["text_has_eos_token_skip_false"]
+    assert eos["text_has_eos_token_skip_false_include_stop"]  # with include_stop_str_in_output the EOS is shown
     st = probe["stop_token_id"]
     assert st["finish_reason"] == "stop" and st["stop_reason"] == st["stop_id"] and st["token_ids_end_with_stop_id"]
-    assert st["text_equals_decode_without_stop_id"]
+    assert st["text_equals_decode_without_stop_id"] and st["include_text_equals_decode_of_all_ids"]
     ss = probe["stop_string"]
     assert ss["finish_reason"] == "stop" and ss["stop_reason"] == ss["stop"]
     assert not ss["text_ends_with_stop"] and ss["include_text_ends_with_stop"]
+    assert ss["num_token_ids"] == ss["num_token_ids_with_include"]  # the string's tokens stay in token_ids
     assert probe["max_tokens_cut"] == {"finish_reason": "length", "stop_reason": None, "num_token_ids": 3}
     mid = probe["special_token_mid_output"]
     assert mid["eos_in_token_ids"] and not mid["text_has_eos_token_skip_true"] and mid["text_has_eos_token_skip_false"]
