@@ -35,7 +35,7 @@ KERNELS = ("auto", "torch", "triton")
 class EntropyStats(NamedTuple):
     entropy: torch.Tensor  # H per position, float32
     surprisal: torch.Tensor  # s_a = -log p_a of the given action, float32
-    phi: torch.Tensor  # first-order entropy sensitivity, float32
+    phi: torch.Tensor | None  # first-order entropy sensitivity, float32 (None: with_phi=False)
 
 
 def _merge_leading(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +157,7 @@ def entropy_sensitivity(
     chunk_size: int | None = None,
     temperature: float = 1.0,
     kernel: str = "auto",
+    with_phi: bool = True,
 ) -> EntropyStats:
     """Per-position entropy, the action's surprisal and Phi for logits ``[..., V]`` and actions ``[...]``.
 
@@ -164,7 +165,9 @@ def entropy_sensitivity(
     ``[...]``. ``temperature`` divides the logits first (the gate wants the entropy at the sampling
     temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 4M logits per
     chunk), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA
-    when it imports, else torch). No host synchronisation on either path.
+    when it imports, else torch). No host synchronisation on either path. ``with_phi=False`` returns
+    ``phi=None`` and, on the torch path, skips Phi's two reductions over the vocabulary (entropy and surprisal are
+    the same numbers either way); for callers that need only the gate's entropy.
     """
     if logits.dim() < 1 or tuple(actions.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
@@ -186,7 +189,7 @@ def entropy_sensitivity(
 
     entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
     surprisal = torch.empty_like(entropy)
-    phi = torch.empty_like(entropy)
+    phi = torch.empty_like(entropy) if with_phi or kernel == "triton" else None
     if kernel == "triton":
         from ._entropy_triton import entropy_stats_block
 
@@ -207,19 +210,22 @@ def entropy_sensitivity(
             p = logp.exp()
             p_logp = p * logp
             h = -p_logp.sum(dim=-1)
-            sum_p2 = torch.linalg.vecdot(p, p)
-            sum_p2_logp = torch.linalg.vecdot(p, p_logp)
+            if phi is not None:
+                sum_p2 = torch.linalg.vecdot(p, p)
+                sum_p2_logp = torch.linalg.vecdot(p, p_logp)
             del p_logp
             logp_a = logp.gather(-1, flat_actions[start:end, None]).squeeze(-1)
             del logp, p
             s_a = -logp_a
-            # sum_j p_j^2 (s_j - H) = -sum_j p_j^2 log p_j - H sum_j p_j^2
-            second = -sum_p2_logp - h * sum_p2
             entropy[start:end] = h
             surprisal[start:end] = s_a
-            phi[start:end] = logp_a.exp() * (s_a - h) - second
+            if phi is not None:
+                # sum_j p_j^2 (s_j - H) = -sum_j p_j^2 log p_j - H sum_j p_j^2
+                second = -sum_p2_logp - h * sum_p2
+                phi[start:end] = logp_a.exp() * (s_a - h) - second
     shape = actions.shape
-    return EntropyStats(entropy.view(shape), surprisal.view(shape), phi.view(shape))
+    return EntropyStats(entropy.view(shape), surprisal.view(shape),
+                        phi.view(shape) if with_phi else None)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

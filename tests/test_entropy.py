@@ -155,3 +155,17 @@ def test_quadrant_stats_against_counting():
         assert q[f"{k}_contrib"].item() == pytest.approx(contrib[k] / mask.sum().item(), abs=1e-7)
     total = sum(q[f"{k}_contrib"] for k in counts)
     assert total.item() == pytest.approx(predicted_entropy_change(st.phi, adv, mask).item(), abs=1e-7)
+
+
+def test_without_phi_the_entropy_and_surprisal_are_the_same_numbers():
+    """with_phi=False (the gate's entropy only) skips Phi and leaves H and s bit for bit as with Phi."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 7, 300, generator=g) * 3
+    actions = torch.randint(0, 300, (5, 7), generator=g)
+    full = entropy_sensitivity(logits, actions, chunk_size=4, kernel="torch")
+    lean = entropy_sensitivity(logits, actions, chunk_size=4, kernel="torch", with_phi=False)
+    assert lean.phi is None and full.phi is not None
+    assert torch.equal(lean.entropy, full.entropy) and torch.equal(lean.surprisal, full.surprisal)
+    # and H is the float64 full-softmax entropy
+    p = torch.softmax(logits.double(), -1)
+    assert torch.allclose(lean.entropy.double(), -(p * p.log()).sum(-1), atol=1e-5)

