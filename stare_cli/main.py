@@ -13,14 +13,17 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES
 
+from . import errors
 from .presets import PresetError, load_preset, preset_names, resolve
 
 app = typer.Typer(
     name="stare",
+    cls=errors.StareGroup,  # one-line usage errors; on/off flags shown without a type
     help=(
         "RL post-training with STARE, GRPO and DAPO, and AIME avg@k evaluation.\n\n"
         "Start with `stare presets` (what can run) and `stare algos` (what each --algo means)."
@@ -35,8 +38,7 @@ err_console = Console(stderr=True)
 
 def fail(message: str, code: int = 2) -> None:
     """Print a one-line error and exit (code 2: bad usage)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+    errors.fail(message, code)  # escaped: rich would eat [...] in user values and hints
 
 
 def _version() -> str:
@@ -72,25 +74,27 @@ def presets() -> None:
         try:
             p = load_preset(name)
         except PresetError as exc:
-            table.add_row(name, "?", f"[red]invalid: {exc}[/]")
+            table.add_row(name, "?", f"[red]invalid: {escape(str(exc))}[/]")
             continue
-        table.add_row(p.name, p.backend, p.description)
+        table.add_row(p.name, p.backend, escape(p.description))
     console.print(table)
 
 
 @app.command()
 def algos(
-    settings: bool = typer.Option(False, "--settings", help="Also list every setting --set can override."),
+    settings: bool = typer.Option(False, "--settings", help="Also list every setting --set can override, with its defaults and meaning."),
 ) -> None:
     """List the algorithms --algo accepts and what each one means."""
     table = Table(title="stare algorithms")
     table.add_column("algo", style="bold cyan")
     table.add_column("description")
     for cfg in ALGORITHMS.values():
-        table.add_row(cfg.name, cfg.description)
+        table.add_row(cfg.name, escape(cfg.description))
     console.print(table)
     if settings:
-        console.print("settings (override with --set key=value): " + ", ".join(SETTING_NAMES))
+        from .settings_doc import print_settings
+
+        print_settings(console)  # every --set key: algorithm and run settings, defaults, meaning
 
 
 def _parse_algos(text: str) -> list[str]:
@@ -160,6 +164,7 @@ def train(
     first with --dry-run.
     """
     resolved = _resolve_or_fail(preset, algo, set_ or [])
+    errors.check_out_dir(out or Path("runs") / f"{preset}-{algo}")
     if resolved["backend"] == "openrlhf":
         _train_openrlhf(resolved, out or Path("runs") / f"{preset}-{algo}", ray_address, resume, dry_run)
         return
@@ -188,16 +193,18 @@ def train(
     settings = resolved["settings"]
     if settings.get("model", "tiny") == "tiny" and not (trainer.warmstart_dir / "warmstart.json").exists():
         console.print(f"warm start: {settings['warmstart_steps']} supervised steps on noisy demonstrations "
-                      f"(cached in {trainer.warmstart_dir})")
-    with Progress(console=console) as progress:
-        task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"])
+                      f"(cached in {escape(str(trainer.warmstart_dir))})")
+    from .local import progress as bars
+
+    with Progress(*bars.columns(), console=console) as progress:  # steps, live reward and entropy, ETA
+        task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"], status="starting")
 
         def on_step(step, steps, rec):
-            progress.update(task, completed=step)
+            progress.update(task, completed=step, status=bars.live_status(rec))
 
         result = trainer.run(resume=resume, on_step=on_step)
     _print_eval(console, result)
-    console.print(f"run directory: {out}")
+    console.print(f"run directory: {escape(str(out))}")
 
 
 def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resume: bool, dry_run: bool) -> None:
@@ -228,9 +235,9 @@ def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resum
     except OpenRLHFVersionError as exc:
         fail(str(exc), code=1)
     prepare_run_dir(out, resolved, resume)
-    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {out}")
+    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {escape(str(out))}")
     try:
-        orl.start(resolved, plan, log=console.print)
+        orl.start(resolved, plan, log=errors.plain(console))
     except orl.LaunchError as exc:
         fail(str(exc))
 
@@ -260,6 +267,7 @@ def run(
     n_seeds = seeds or int(p.settings.get("seeds", 1))
     resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
     out = out or Path("runs") / preset
+    errors.check_out_dir(out)
     from .local.runner import run_arms
     from .plots import plot_curves
     from .rundir import RunDirError, check_run_set_dir, mark_run_set
@@ -272,7 +280,7 @@ def run(
         fail(str(exc))
     _check_model_available(next(iter(resolved.values())), prepare=True)
     mark_run_set(out, preset, arm_names, n_seeds)
-    console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {out}")
+    console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {escape(str(out))}")
     try:
         dirs = run_arms(resolved, out, seeds=n_seeds, resume=resume, parallel=parallel, console=console)
     except RunDirError as exc:
@@ -291,13 +299,13 @@ def eval_(
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="Model folder or hub id (default: the final checkpoint of the "
                                              "training run in --out)."),
-    k: Optional[int] = typer.Option(None, "--k", help="Samples per problem (default: the protocol's)."),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="Samples per problem (default: the protocol's)."),
     protocol: str = typer.Option("stare", "--protocol", help="stare (k 32, T 1.0, top_p 0.7), dapo, r1 (T 0.6, "
                                                             "top_p 0.95)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Overrides the protocol; in [0, 2]. 0 "
                                                                            "is greedy: one sample, so --k 1."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Overrides the protocol."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Overrides the protocol."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Overrides the protocol."),
     backend: Optional[str] = typer.Option(None, "--backend", help="vllm or hf (default: vllm when importable "
                                                                   "with a GPU, else hf)."),
     harness: str = typer.Option("stare", "--harness", help="stare (this project's harness) or lm-eval (the "
@@ -328,6 +336,7 @@ def eval_(
 
     if bench not in BENCHES:
         fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
+    errors.check_out_dir(out or Path("evals") / bench)
     try:
         if backend is not None:
             check_backend(backend)
@@ -341,6 +350,7 @@ def eval_(
     except ValueError as exc:
         fail(str(exc))
     backend = backend or default_backend()
+    errors.check_out_dir(out_dir)
     try:
         proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         local = local_data_file(bench, data_file)
@@ -351,6 +361,7 @@ def eval_(
     if (out_dir / "samples.jsonl").exists() and not resume:
         fail(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare" else "")
              + "use another --out (nothing was changed)")
+    errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
     from .local.runner import quiet
 
     quiet()
@@ -385,7 +396,7 @@ def eval_(
 def _print_eval_summary(bench: str, summary: dict, how: str, out_dir: Path) -> None:
     kk = summary["k"]
     console.print(f"{bench} ({summary['n_problems']} problems, {how}): avg@{kk} {summary['avg_at_k']:.4f}  "
-                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {out_dir}/summary.md")
+                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {escape(str(out_dir))}/summary.md")
 
 
 @app.command()
@@ -398,6 +409,7 @@ def compare(
     blank, never invented."""
     from .compare import compare as run_compare
 
+    errors.check_out_dir(out)
     try:
         rows = run_compare(list(dirs), out)
     except ValueError as exc:

@@ -14,8 +14,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
+from . import progress as bars
 from .trainer import LocalTrainer, check_run_dir, prepare_run_dir
 
 
@@ -85,8 +86,7 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
         prepare_run_dir(run_dir, resolved, resume=(run_dir / "config.yaml").exists())
 
     ctx = mp.get_context("spawn")
-    columns = (TextColumn("[bold cyan]{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    columns = bars.columns()  # steps, live reward and entropy, clock, ETA
     with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx) as pool, \
             Progress(*columns, console=console, transient=False) as progress:
         ws_needed = {}
@@ -111,7 +111,7 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
                                                (run_dir / "checkpoint").exists())
         while futures:
             for run_dir, fut in list(futures.items()):
-                lines = _count_lines(run_dir / "metrics.jsonl")
+                lines, rec = bars.last_record(run_dir / "metrics.jsonl")
                 if fut.done():
                     result = fut.result()  # re-raises a worker's error
                     k = result["k"]
@@ -119,6 +119,6 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
                                     status=f"avg@{k} {result[f'avg_at_{k}']:.3f} pass@{k} {result[f'pass_at_{k}']:.3f}")
                     del futures[run_dir]
                 elif lines:
-                    progress.update(tasks[run_dir], completed=lines, status="training")
+                    progress.update(tasks[run_dir], completed=lines, status=bars.live_status(rec))
             time.sleep(0.3)
     return [p[3] for p in plan]

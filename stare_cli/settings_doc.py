@@ -1,0 +1,192 @@
+"""What every ``--set`` key means, and its defaults: ``stare algos --settings``.
+
+Two kinds of keys: algorithm settings (``stare.algorithms.AlgoConfig``, one default per algorithm) and run
+settings (a preset's ``settings:`` block in ``configs/*.yaml``, one default per preset; GPU presets have the
+typed schema of ``openrlhf_backend/argv.py``). ``--set key=value`` accepts both; tests check that every key has
+a line here.
+"""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from stare.algorithms import ALGORITHMS, SETTING_NAMES
+
+# One line per algorithm setting (AlgoConfig's fields).
+ALGO_SETTING_HELP = {
+    "std_norm": "divide group advantages by the group's reward std (false: Dr.GRPO's unnormalised advantages)",
+    "clip_low": "PPO clip below: the ratio may fall to 1 - clip_low",
+    "clip_high": "PPO clip above: the ratio may rise to 1 + clip_high (DAPO's clip-higher: 0.28)",
+    "dual_clip": "dual clip: an A < 0 token's loss is capped at dual_clip x |A| (null: off)",
+    "agg": "how token losses become one loss: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm",
+    "dynamic_sampling": "drop prompts whose samples all got the same reward and sample more (DAPO)",
+    "max_gen_rounds": "dynamic sampling: generation rounds per step before training on what there is",
+    "overlong_shaping": "penalise responses that reach the last overlong_buffer_len tokens of the limit (DAPO)",
+    "overlong_buffer_len": "overlong shaping: length of the penalised zone before the response limit, in tokens",
+    "overlong_penalty": "overlong shaping: the penalty at the limit (it grows linearly across the zone)",
+    "stare": "reweight selected tokens' advantages (STARE); false: a plain baseline",
+    "selection": "which tokens STARE reweights: quantile (top share by surprisal, the paper) or phi (sign of "
+                 "the entropy sensitivity)",
+    "variant": "O1: weight W on selected A > 0 tokens only; C2: also weight M on selected A < 0 tokens",
+    "top_ratio": "share of the A > 0 (and A < 0) tokens selected by surprisal, the paper's P",
+    "w": "weight on the selected A > 0 tokens (raises entropy), the paper's W",
+    "m": "weight on the selected A < 0 tokens (C2), the paper's M",
+    "damp": "phi selection: weight on the entropy-lowering A > 0 tokens (1: untouched)",
+    "phi_cap": "phi selection: keep only this top share by Phi (null: every token with the right sign)",
+    "scope": "where the selection is made: global (the step's whole batch) or micro_batch (the reference's rule)",
+    "controller": "the entropy gate: paper (on while entropy < target_entropy) or band (proportional, "
+                  "band_low..band_high)",
+    "target_entropy": "paper gate: reweighting is on while the batch entropy is below this",
+    "adaptive": "paper gate: move W and M by alpha each step towards the target (within w_max, m_min)",
+    "alpha": "adaptive paper gate: step size of W and M per RL step",
+    "w_max": "adaptive paper gate: the largest W",
+    "m_min": "adaptive paper gate: the smallest M",
+    "band_low": "band gate: full strength when the batch entropy is at or below this",
+    "band_high": "band gate: top of the band; above it the gate is off (or pushes down with two_sided)",
+    "band_target": "band gate: strength starts below this (null: band_high)",
+    "gain": "band gate: strength per unit of shortfall (1: full strength exactly at band_low)",
+    "two_sided": "band gate: above band_high, push entropy down (mirrored selection)",
+    "telemetry": "what each step logs: full (entropy, shares, Phi forecasts), entropy (batch entropy only) or off",
+}
+
+# One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu).
+LOCAL_RUN_SETTING_HELP = {
+    "task": "the task: reverse (strings), explore (reversal with a rare trigger rule), arith (sums, in a chat turn)",
+    "model": "tiny (a Llama built from a config) or smollm2-135m (the packaged SmolLM2-135M-Instruct)",
+    "seed": "seed of the first arm; stare run adds 1 per extra seed",
+    "algos": "stare run: the arms trained (comma-separated algorithms)",
+    "seeds": "stare run: seeds per arm",
+    "steps": "RL steps per arm",
+    "prompts_per_step": "prompts sampled per RL step",
+    "samples_per_prompt": "responses per prompt (the group size G)",
+    "mini_batches": "optimizer steps per RL step",
+    "micro_batch_size": "sequences per forward/backward (gradients accumulated with global counts)",
+    "lr": "AdamW learning rate",
+    "grad_clip": "gradient norm clip",
+    "temperature": "sampling temperature of the rollouts",
+    "max_new_tokens": "the response limit in tokens (cut responses score 0)",
+    "train_problems": "size of the training problem set",
+    "eval_problems": "held-out problems evaluated after training",
+    "eval_k": "samples per held-out problem (avg@k, pass@k)",
+    "save_every": "a checkpoint every N steps (what --resume continues from)",
+    "threads": "torch threads per arm",
+    "hidden": "tiny model: hidden size",
+    "layers": "tiny model: transformer layers",
+    "warmstart_steps": "tiny model: supervised warm-start steps before RL",
+    "warmstart_batch": "tiny model: warm-start batch size",
+    "warmstart_lr": "tiny model: warm-start learning rate",
+    "warmstart_noise": "tiny model: chance that a warm-start demonstration has one wrong character",
+}
+
+GPU_RUN_SETTING_HELP = {
+    "model": "hub id or folder of the policy to train",
+    "cold_start_checkpoint": "when set, RL starts from this (SFT) checkpoint instead of model",
+    "data": "training prompts: hub id or a local .jsonl/.json/.parquet with problem and answer",
+    "data_split": "split of a hub data set",
+    "prompt_template": "the prompt; must contain {problem}",
+    "apply_chat_template": "wrap the prompt in the model's chat template",
+    "samples_per_prompt": "responses per prompt (the group size G)",
+    "prompts_per_step": "prompts per RL step (the rollout batch)",
+    "train_batch_size": "sequences per optimizer step, over all GPUs",
+    "micro_batch_size": "sequences per GPU per forward/backward",
+    "rollout_micro_batch_size": "sequences per GPU per log-prob forward",
+    "max_prompt_len": "prompt limit in tokens",
+    "max_response_len": "response limit in tokens",
+    "lr": "actor learning rate",
+    "warmup_ratio": "share of the steps with a learning-rate warm-up",
+    "grad_clip": "gradient norm clip",
+    "kl_coef": "KL penalty to a reference model (0: no reference model, the paper's recipe)",
+    "temperature": "rollout sampling temperature",
+    "top_p": "rollout nucleus sampling",
+    "episodes": "passes over the prompt set",
+    "seed": "training seed",
+    "gpus_per_node": "GPUs per node",
+    "nodes": "nodes",
+    "vllm_engines": "vLLM rollout engines",
+    "vllm_tensor_parallel": "tensor parallel size of each vLLM engine",
+    "vllm_gpu_memory_utilization": "share of GPU memory vLLM may take",
+    "colocate": "actor and vLLM share the GPUs (vLLM sleeps while the actor trains)",
+    "zero_stage": "DeepSpeed ZeRO stage (0-3)",
+    "gradient_checkpointing": "recompute activations in the backward pass to save memory",
+    "packing": "pack sequences into token-budget micro-batches (needs flash-attn)",
+    "max_tokens_per_gpu": "packing: the token budget of one micro-batch",
+    "save_steps": "a checkpoint every N steps",
+    "max_checkpoints": "checkpoints kept",
+    "reward_timeout_s": "time limit for scoring one answer, in seconds",
+    "wandb_project": "non-empty: also log to this W&B project ($WANDB_API_KEY)",
+    "agent": "'' (single turn) or python (multi-turn sandboxed Python tool use)",
+    "tool_max_turns": "tool use: turns per episode",
+    "tool_timeout_s": "tool use: time limit per code block, in seconds",
+}
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _per_owner(values: dict[str, object]) -> str:
+    """The most common value, then the owners that differ: '0.28 (grpo, dr-grpo: 0.2)'."""
+    groups: dict[str, list[str]] = {}
+    for owner, value in values.items():
+        groups.setdefault(_fmt(value), []).append(owner)
+    common = max(groups, key=lambda v: len(groups[v]))  # ties: the first seen
+    others = "; ".join(f"{', '.join(owners)}: {value}" for value, owners in groups.items() if value != common)
+    return f"{common} ({others})" if others else common
+
+
+def algo_settings_table() -> Table:
+    table = Table(title="algorithm settings (--set key=value; default per algorithm)")
+    table.add_column("setting", style="bold cyan", no_wrap=True)
+    table.add_column("default")
+    table.add_column("meaning")
+    for key in SETTING_NAMES:
+        values = {name: getattr(cfg, key) for name, cfg in ALGORITHMS.items()}
+        table.add_row(key, escape(_per_owner(values)), escape(ALGO_SETTING_HELP.get(key, "")))
+    return table
+
+
+def local_run_settings_table() -> Table:
+    from .presets import load_preset, preset_names
+
+    names = sorted(preset_names(), key=lambda n: (n != "tiny-cpu", n))  # the embedded default first
+    presets = [p for p in (load_preset(n) for n in names) if p.backend == "local"]
+    keys: list[str] = []
+    for p in presets:
+        keys += [k for k in p.settings if k not in keys]
+    table = Table(title="run settings of the local presets (--set key=value; default per preset)")
+    table.add_column("setting", style="bold cyan", no_wrap=True)
+    table.add_column("default")
+    table.add_column("meaning")
+    for key in keys:
+        values = {p.name: p.settings[key] for p in presets if key in p.settings}
+        table.add_row(key, escape(_per_owner(values)), escape(LOCAL_RUN_SETTING_HELP.get(key, "")))
+    return table
+
+
+def gpu_run_settings_table() -> Table:
+    from .openrlhf_backend.argv import SCHEMA
+
+    table = Table(title="run settings of the GPU presets (--set key=value; default, or required: each preset "
+                        "sets it)")
+    table.add_column("setting", style="bold cyan", no_wrap=True)
+    table.add_column("default")
+    table.add_column("meaning")
+    for key, (typ, default) in SCHEMA.items():
+        shown = "required" if default is ... else repr(default) if default == "" else _fmt(default)
+        table.add_row(key, escape(f"{shown} ({typ.__name__})"), escape(GPU_RUN_SETTING_HELP.get(key, "")))
+    return table
+
+
+def print_settings(console: Console) -> None:
+    """Every key ``--set`` accepts, with its defaults and meaning."""
+    console.print(algo_settings_table())
+    console.print(local_run_settings_table())
+    console.print(gpu_run_settings_table())
+    console.print("A preset's own values: `stare train --preset NAME --dry-run` prints them all, resolved.")
