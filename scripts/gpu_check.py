@@ -1,5 +1,6 @@
 """The GPU check behind ``scripts/gpu-check.sh``: benchmarks at real size on CUDA, the algorithm tests on CUDA,
-and ``stare run --preset tiny-cpu --set device=cuda``, each as a subprocess with a time limit, into one JSON file of figures.
+and ``stare run --preset tiny-cpu --set device=cuda``, each as a subprocess with a time limit, into one JSON file
+of figures.
 
 Meant for a stock CUDA PyTorch image (its own torch, triton, transformers; no vLLM, DeepSpeed or OpenRLHF; no
 network; no model download) with this package installed by ``pip install --no-deps --no-build-isolation -e .``.

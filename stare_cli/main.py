@@ -161,8 +161,9 @@ def train(
 ) -> None:
     """Train one arm: a preset (model, data, engine) with one algorithm.
 
-    Local presets (tiny-cpu, ...) train here on the CPU (on a GPU with --set device=cuda), then evaluate: the run directory gets config.yaml,
-    metrics.jsonl (one line per step), checkpoint/, final/ and eval.json; a killed run continues with --resume.
+    Local presets (tiny-cpu, ...) train here on the CPU (on the GPU with --set device=cuda), then evaluate: the run
+    directory gets config.yaml, metrics.jsonl (one line per step), checkpoint/, final/ and eval.json; a killed
+    run continues with --resume.
 
     GPU presets (qwen-7b-short-cot, ...) run OpenRLHF 0.11.2's Ray PPO trainer with STARE plugged into its
     policy actor: checkpoints in OUT/ckpt (resumed automatically with --resume), the final model in

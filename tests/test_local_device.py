@@ -134,3 +134,16 @@ def test_a_run_resumes_on_another_device_but_not_with_other_settings(tmp_path):
 def test_a_gpu_warm_start_never_shares_the_cpu_cache():
     assert trainer_mod.warmstart_name(torch.device("cpu")) == "warmstart"  # the old folder, unchanged
     assert trainer_mod.warmstart_name(torch.device("cuda"), "seed0") == "seed0-cuda"
+
+
+def test_auto_is_the_gpu_when_torch_sees_one_and_the_cpu_otherwise(monkeypatch):
+    from stare.cli.local.device import DeviceError, engine_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_device({"device": "auto"}) == torch.device("cpu")
+    assert engine_device({}) == torch.device("cpu")  # a config.yaml from before the setting
+    with pytest.raises(DeviceError, match="no GPU"):
+        engine_device({"device": "cuda"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_device({"device": "auto"}) == torch.device("cuda")
+    assert engine_device({"device": "cpu"}) == torch.device("cpu")

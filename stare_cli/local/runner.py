@@ -1,10 +1,11 @@
 """``stare run`` and ``stare train`` for local presets: arms in worker processes, progress bars, the report.
 
 Each arm (algorithm x seed) is one process with one torch thread; ``parallel`` arms run at a time (two on
-two cores). With ``device: cuda`` the arms' processes share the one GPU (each its own CUDA context; the tiny
-models need a few hundred MB each). The parent process only watches each arm's ``metrics.jsonl`` to draw progress bars, so a worker
-never has to talk back. Warm starts are trained first, once per seed, into ``DIR/warmstart/seed<S>`` and
-shared by every arm of that seed (``seed<S>-cuda`` for a GPU run: see ``trainer.warmstart_name``).
+two cores). With ``device: cuda`` the arms' processes share the one GPU, each with its own CUDA context (the tiny
+models need little memory beyond it). The parent process only watches each arm's ``metrics.jsonl`` to draw
+progress bars, so a worker never has to talk back. Warm starts are trained first, once per seed, into
+``DIR/warmstart/seed<S>`` (``seed<S>-cuda`` for a GPU run: see ``trainer.warmstart_name``) and shared by every arm
+of that seed.
 """
 from __future__ import annotations
 
