@@ -1,5 +1,6 @@
 """The GPU check behind ``scripts/gpu-check.sh``: benchmarks at real size on CUDA, the algorithm tests on CUDA,
-and ``stare run --preset tiny-cpu``, each as a subprocess with a time limit, into one JSON file of figures.
+and ``stare run --preset tiny-cpu --set device=cuda``, each as a subprocess with a time limit, into one JSON file
+of figures.
 
 Meant for a stock CUDA PyTorch image (its own torch, triton, transformers; no vLLM, DeepSpeed or OpenRLHF; no
 network; no model download) with this package installed by ``pip install --no-deps --no-build-isolation -e .``.
@@ -52,8 +53,10 @@ STEPS: dict[str, tuple[list[str], int, tuple[str, ...], str]] = {
                                                              "test_entropy.py", "test_loss.py", "test_selection.py")],
                              150, ("pytest",), "the algorithm tests (marker cuda) with their tensors on the GPU"),
     "stare-run-tiny-cpu": ([PY, "-m", "stare.cli.main", "run", "--preset", "tiny-cpu", "--out", "{out}/tiny-cpu",
-                            "--parallel", "4"], 240, ("typer", "rich", "yaml", "matplotlib", "numpy", "math_verify"),
-                           "the local engine end to end (its training runs on CPU threads: it has no GPU path)"),
+                            "--parallel", "4", "--set", "device=cuda"], 240,
+                           ("typer", "rich", "yaml", "matplotlib", "numpy", "math_verify"),
+                           "the local engine end to end on the GPU (device=cuda: warm starts, training, evaluation; "
+                           "4 arms share the GPU)"),
 }
 
 

@@ -138,6 +138,16 @@ def _check_model_available(resolved: dict, prepare: bool = False) -> None:
         fail(str(exc), code=1)
 
 
+def _check_device(resolved: dict) -> None:
+    """A local run's ``device`` setting names a device this machine has (``cuda`` needs a visible GPU)."""
+    from .local.device import DeviceError, engine_device
+
+    try:
+        engine_device(resolved["settings"])
+    except DeviceError as exc:
+        fail(str(exc))
+
+
 @app.command()
 def train(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name (see `stare presets`)."),
@@ -155,8 +165,9 @@ def train(
 ) -> None:
     """Train one arm: a preset (model, data, engine) with one algorithm.
 
-    Local presets (tiny-cpu, ...) train here on the CPU, then evaluate: the run directory gets config.yaml,
-    metrics.jsonl (one line per step), checkpoint/, final/ and eval.json; a killed run continues with --resume.
+    Local presets (tiny-cpu, ...) train here on the CPU (on the GPU with --set device=cuda), then evaluate: the run
+    directory gets config.yaml, metrics.jsonl (one line per step), checkpoint/, final/ and eval.json; a killed
+    run continues with --resume.
 
     GPU presets (qwen-7b-short-cot, ...) run OpenRLHF 0.11.2's Ray PPO trainer with STARE plugged into its
     policy actor: checkpoints in OUT/ckpt (resumed automatically with --resume), the final model in
@@ -178,6 +189,7 @@ def train(
     from .local.runner import quiet
     from .rundir import RunDirError, prepare_run_dir
 
+    _check_device(resolved)
     _check_model_available(resolved)
     out = out or Path("runs") / f"{preset}-{algo}"
     try:
@@ -266,6 +278,7 @@ def run(
     arm_names = _parse_algos(algos or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
     n_seeds = seeds or int(p.settings.get("seeds", 1))
     resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
+    _check_device(next(iter(resolved.values())))
     out = out or Path("runs") / preset
     errors.check_out_dir(out)
     from .local.runner import run_arms

@@ -23,7 +23,10 @@ import yaml
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
 
+from .local.device import DEVICES
+
 BACKENDS = ("local", "openrlhf")
+LOCAL_CHOICES = {"device": DEVICES}  # local settings with a fixed set of values
 REQUIRED = {"name": str, "description": str, "backend": str, "settings": dict}
 
 
@@ -106,6 +109,8 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
         except (ValueError, TypeError) as exc:
             raise PresetError(f"preset {source}: algorithms.{algo}: {exc}") from None
     settings = dict(data["settings"])
+    if data["backend"] == "local":
+        _check_choices(settings, f"preset {source}: ")
     if data["backend"] == "openrlhf":  # GPU presets: every setting typed and checked, defaults filled in
         from .openrlhf_backend.argv import SettingsError, check_settings
 
@@ -114,6 +119,13 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
         except SettingsError as exc:
             raise PresetError(str(exc)) from None
     return Preset(data["name"], data["description"], data["backend"], settings, dict(algos))
+
+
+def _check_choices(settings: dict, where: str) -> None:
+    for key, choices in LOCAL_CHOICES.items():
+        if key in settings and settings[key] not in choices:
+            raise PresetError(f"{where}setting {key}: unknown value {settings[key]!r}; valid choices: "
+                              f"{', '.join(choices)}")
 
 
 def _algo_field_types() -> dict[str, str]:
@@ -184,6 +196,8 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
             raise PresetError(f"unknown --set key {key!r}; valid keys: {', '.join(valid)}")
     try:
         algo_cfg = get_algorithm(algo, **algo_over)
+        if preset.backend == "local":
+            _check_choices(settings, "--set ")
         if preset.backend == "openrlhf" and sets:  # the overrides must still fit together
             from .openrlhf_backend.argv import check_settings
 

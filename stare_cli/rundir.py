@@ -54,7 +54,7 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
         if not resume:
             raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it or use another --out "
                               "(nothing was changed)")
-        if old != resolved:
+        if _comparable(old) != _comparable(resolved):
             raise RunDirError(f"{run_dir} was started with other settings; resume it with the same --set values "
                               "(see its config.yaml)")
         return True
@@ -63,6 +63,13 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunDirError(f"{run_dir} is not empty and holds no stare run; use another --out (nothing was changed)")
     return False
+
+
+def _comparable(config: dict) -> dict:
+    """A run's settings less ``device``: where a local run computes may change when it is resumed (a checkpoint
+    saved on a GPU resumes on CPU), and folders from before the setting have none."""
+    settings = {k: v for k, v in (config.get("settings") or {}).items() if k != "device"}
+    return {**config, "settings": settings}
 
 
 def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:

@@ -68,7 +68,8 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     tests_line = next(line for line in text.splitlines() if " -m pytest " in line)
     assert "-m cuda --device cuda" in tests_line
     assert all(f"tests/{name}" in tests_line for name in ALGORITHM_TESTS)
-    assert "stare.cli.main run --preset tiny-cpu" in text
+    run_line = next(line for line in text.splitlines() if "stare.cli.main run --preset tiny-cpu" in line)
+    assert "--set device=cuda" in run_line  # the local engine on the GPU, not on CPU threads
     assert str(out / "gpu-check.json") in text
     assert not out.exists()  # nothing ran, nothing was written
 

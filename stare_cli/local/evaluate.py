@@ -18,11 +18,12 @@ from .tasks import Task
 def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, seed: int, max_new_tokens: int,
                     temperature: float = 1.0, chat: bool = False, batch_prompts: int = 64) -> dict:
     problems = task.problems(n_problems, seed=seed, split="test")
-    gen = torch.Generator().manual_seed(10_000 + seed)
+    device = next(model.parameters()).device  # everything on the model's device
+    gen = torch.Generator(device).manual_seed(10_000 + seed)
     correct, greedy = [], []
     for start in range(0, len(problems), batch_prompts):
         batch = problems[start:start + batch_prompts]
-        ids, attn = encode_prompts(tokenizer, [p.prompt for p in batch], chat=chat)
+        ids, attn = encode_prompts(tokenizer, [p.prompt for p in batch], chat=chat, device=device)
         g = sample(model, tokenizer, ids, attn, max_new_tokens=max_new_tokens, greedy=True)
         greedy += [task.reward(p, t) for p, t in zip(batch, g.texts)]
         r = sample(model, tokenizer, ids.repeat_interleave(k, 0), attn.repeat_interleave(k, 0),

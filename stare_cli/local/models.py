@@ -7,11 +7,12 @@ from pathlib import Path
 from .tasks import Task
 
 
-def initial_policy(settings: dict, task: Task, cache_dir: Path) -> Path:
-    """Folder (``from_pretrained``-loadable) of the policy the RL stage starts from."""
+def initial_policy(settings: dict, task: Task, cache_dir: Path, device="cpu") -> Path:
+    """Folder (``from_pretrained``-loadable) of the policy the RL stage starts from (the tiny warm start is
+    trained and measured on ``device``)."""
     model = settings.get("model", "tiny")
     if model == "tiny":
-        return tiny_warmstart(settings, task, cache_dir)
+        return tiny_warmstart(settings, task, cache_dir, device)
     if model == "smollm2-135m":
         from .smollm import smollm_checkpoint
 
@@ -19,18 +20,19 @@ def initial_policy(settings: dict, task: Task, cache_dir: Path) -> Path:
     raise ValueError(f"unknown model {model!r}; valid models: tiny, smollm2-135m")
 
 
-def tiny_warmstart(settings: dict, task: Task, cache_dir: Path) -> Path:
+def tiny_warmstart(settings: dict, task: Task, cache_dir: Path, device="cpu") -> Path:
     from .evaluate import evaluate_policy
     from .policy import load_policy
     from .warmstart import train_warmstart
 
     folder = train_warmstart(task, cache_dir, seed=settings["seed"], steps=settings["warmstart_steps"],
                              batch_size=settings["warmstart_batch"], lr=settings["warmstart_lr"],
-                             noise=settings["warmstart_noise"], hidden=settings["hidden"], layers=settings["layers"])
+                             noise=settings["warmstart_noise"], hidden=settings["hidden"], layers=settings["layers"],
+                             device=device)
     meta_path = folder / "warmstart.json"
     meta = json.loads(meta_path.read_text())
     if "eval" not in meta:  # measured once per warm start: greedy, sampled accuracy and pass@k before RL
-        model, tokenizer = load_policy(folder)
+        model, tokenizer = load_policy(folder, device)
         model.eval()
         meta["eval"] = evaluate_policy(model, tokenizer, task, n_problems=settings["eval_problems"],
                                        k=settings["eval_k"], seed=settings["seed"],

@@ -42,11 +42,12 @@ def build_tiny_model(vocab_size: int, *, hidden: int = 64, layers: int = 2, head
     return LlamaForCausalLM(config)
 
 
-def load_policy(path: str | Path):
-    """Model and tokenizer saved in ``path`` (any run's checkpoint or final folder)."""
+def load_policy(path: str | Path, device: torch.device | str = "cpu"):
+    """Model (on ``device``) and tokenizer saved in ``path`` (any run's checkpoint or final folder, saved on any
+    device: ``from_pretrained`` reads the weights to CPU first)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     return model, tokenizer
 
 
@@ -65,7 +66,7 @@ class Rollout:
         return self.sequences[:, self.prompt_len:]
 
     def select(self, rows: torch.Tensor | list[int]) -> "Rollout":
-        idx = torch.as_tensor(rows, dtype=torch.long)
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.sequences.device)
         return Rollout(self.sequences[idx], self.attention_mask[idx], self.prompt_len, self.action_mask[idx],
                        [self.texts[i] for i in idx.tolist()])
 
@@ -74,28 +75,32 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Stack rollouts with possibly different prompt and response widths (re-padding both sides)."""
     P = max(r.prompt_len for r in parts)
     R = max(r.responses.shape[1] for r in parts)
+    dev = parts[0].sequences.device
     seqs, attn, acts, texts = [], [], [], []
     for r in parts:
         lp, rr = P - r.prompt_len, R - r.responses.shape[1]
         B = r.sequences.shape[0]
-        seqs.append(torch.cat([torch.full((B, lp), pad_id), r.sequences, torch.full((B, rr), pad_id)], 1))
-        attn.append(torch.cat([torch.zeros(B, lp, dtype=torch.long), r.attention_mask,
-                               torch.zeros(B, rr, dtype=torch.long)], 1))
-        acts.append(torch.cat([r.action_mask, torch.zeros(B, rr, dtype=r.action_mask.dtype)], 1))
+        seqs.append(torch.cat([torch.full((B, lp), pad_id, device=dev), r.sequences,
+                               torch.full((B, rr), pad_id, device=dev)], 1))
+        attn.append(torch.cat([torch.zeros(B, lp, dtype=torch.long, device=dev), r.attention_mask,
+                               torch.zeros(B, rr, dtype=torch.long, device=dev)], 1))
+        acts.append(torch.cat([r.action_mask, torch.zeros(B, rr, dtype=r.action_mask.dtype, device=dev)], 1))
         texts += r.texts
     return Rollout(torch.cat(seqs), torch.cat(attn), P, torch.cat(acts), texts)
 
 
-def encode_prompts(tokenizer, prompts: list[str], *, chat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and attention mask. Character tasks end the prompt with the separator."""
+def encode_prompts(tokenizer, prompts: list[str], *, chat: bool = False,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask [B, P] (int64, on ``device``). Character tasks end the prompt
+    with the separator."""
     if chat:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     else:
-        enc = tokenizer([tokenizer.bos_token + p + SEPARATOR for p in prompts], return_tensors="pt", padding=True,
-                        add_special_tokens=False)
-    return enc["input_ids"], enc["attention_mask"]
+        texts = [tokenizer.bos_token + p + SEPARATOR for p in prompts]
+    enc = tokenizer(texts, padding=True, add_special_tokens=False)
+    return (torch.tensor(enc["input_ids"], dtype=torch.long, device=device),
+            torch.tensor(enc["attention_mask"], dtype=torch.long, device=device))
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -105,7 +110,8 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sample(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None) -> Rollout:
-    """Sample one response per prompt row (repeat rows for G samples), with a KV cache."""
+    """Sample one response per prompt row (repeat rows for G samples), with a KV cache, on the prompts' device
+    (``generator`` must be on that device too)."""
     from transformers import DynamicCache
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -116,7 +122,7 @@ def sample(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                 use_cache=True)
     next_pos = attn.sum(-1, keepdim=True)
     tokens = []
-    done = torch.zeros(B, dtype=torch.bool)
+    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     for _ in range(max_new_tokens):
         logits = out.logits[:, -1].float()
         if greedy:
@@ -129,7 +135,7 @@ def sample(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         done = done | (tok == eos)
         if bool(done.all()):
             break
-        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], dim=1)
+        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=attn.device)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache,
                     use_cache=True)
         next_pos = next_pos + 1

@@ -1,9 +1,11 @@
 """``stare run`` and ``stare train`` for local presets: arms in worker processes, progress bars, the report.
 
 Each arm (algorithm x seed) is one process with one torch thread; ``parallel`` arms run at a time (two on
-two cores). The parent process only watches each arm's ``metrics.jsonl`` to draw progress bars, so a worker
-never has to talk back. Warm starts are trained first, once per seed, into ``DIR/warmstart/seed<S>`` and
-shared by every arm of that seed.
+two cores). With ``device: cuda`` the arms' processes share the one GPU, each with its own CUDA context (the tiny
+models need little memory beyond it). The parent process only watches each arm's ``metrics.jsonl`` to draw
+progress bars, so a worker never has to talk back. Warm starts are trained first, once per seed, into
+``DIR/warmstart/seed<S>`` (``seed<S>-cuda`` for a GPU run: see ``trainer.warmstart_name``) and shared by every arm
+of that seed.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from . import progress as bars
-from .trainer import LocalTrainer, check_run_dir, prepare_run_dir
+from .device import engine_device
+from .trainer import LocalTrainer, check_run_dir, prepare_run_dir, warmstart_name
 
 
 def quiet() -> None:
@@ -48,7 +51,8 @@ def _warmstart_job(resolved: dict, folder: str) -> str:
     from .tasks import get_task
 
     torch.set_num_threads(resolved["settings"].get("threads", 1))
-    return str(initial_policy(resolved["settings"], get_task(resolved["settings"]["task"]), Path(folder)))
+    settings = resolved["settings"]
+    return str(initial_policy(settings, get_task(settings["task"]), Path(folder), device=engine_device(settings)))
 
 
 def _arm_job(resolved: dict, run_dir: str, warmstart_dir: str | None, resume: bool) -> dict:
@@ -93,7 +97,8 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
         for algo, seed, resolved, run_dir, done in plan:
             if not done and resolved["settings"].get("model", "tiny") == "tiny":
                 ws_needed.setdefault(seed, resolved)
-        ws_dirs = {seed: out / "warmstart" / f"seed{seed}" for seed in {p[1] for p in plan}}
+        device = engine_device(plan[0][2]["settings"])
+        ws_dirs = {seed: out / "warmstart" / warmstart_name(device, f"seed{seed}") for seed in {p[1] for p in plan}}
         if ws_needed:
             t = progress.add_task("warm starts", total=len(ws_needed), status="supervised warm start")
             futures = [pool.submit(_warmstart_job, r, str(ws_dirs[seed])) for seed, r in ws_needed.items()]

@@ -17,6 +17,11 @@ Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin mak
 
 A checkpoint holds the model, optimizer, controller and every RNG state, so a killed run resumed with
 ``--resume`` ends with the same metrics as an uninterrupted one (CPU arithmetic is deterministic).
+
+Everything runs on one device, ``self.device`` (the ``device`` setting, ``local/device.py``): the model, the
+sampling generator, the rollouts, rewards, advantages, the loss and the evaluation. Checkpoints load on any
+device; the sampling generator's state is kept only when the device type is the same (a CPU and a CUDA generator
+have different states), and is otherwise seeded again from the seed and the step.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from stare.algorithms import (
     stare_step,
 )
 
+from .device import engine_device
 from .evaluate import evaluate_policy
 from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
 from .tasks import get_task
@@ -53,6 +59,12 @@ CHECKPOINT = "checkpoint"
 FINAL = "final"
 
 
+def warmstart_name(device: torch.device, base: str = "warmstart") -> str:
+    """The warm start cache folder's name: a GPU warm start is not bit-identical with the CPU one, so it gets its
+    own folder (``warmstart-cuda``) and never replaces or stands in for a CPU one (CPU keeps the old name)."""
+    return base if device.type == "cpu" else f"{base}-{device.type}"
+
+
 class LocalTrainer:
     def __init__(self, resolved: dict, run_dir: Path, *, warmstart_dir: Path | None = None):
         self.resolved = resolved
@@ -61,22 +73,23 @@ class LocalTrainer:
         self.algo = AlgoConfig(**resolved["algo"])
         self.task = get_task(self.s["task"])
         self.chat = self.s.get("model", "tiny") != "tiny"
-        self.warmstart_dir = Path(warmstart_dir) if warmstart_dir else self.run_dir / "warmstart"
+        self.device = engine_device(self.s)
+        self.warmstart_dir = Path(warmstart_dir) if warmstart_dir else self.run_dir / warmstart_name(self.device)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _initial_policy_dir(self) -> Path:
         from .models import initial_policy
 
-        return initial_policy(self.s, self.task, self.warmstart_dir)
+        return initial_policy(self.s, self.task, self.warmstart_dir, device=self.device)
 
     def _build(self, start_dir: Path) -> None:
-        self.model, self.tokenizer = load_policy(start_dir)
+        self.model, self.tokenizer = load_policy(start_dir, self.device)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.s["lr"], weight_decay=0.0,
                                      betas=(0.9, 0.99))
         self.controller = self.algo.make_controller()
         self.memory = StepMemory()  # the previous step's batch entropy and forecast
-        self.gen = torch.Generator().manual_seed(self.s["seed"])
+        self.gen = torch.Generator(self.device).manual_seed(self.s["seed"])
         self.py_rng = random.Random(f"rl:{self.s['seed']}")
         self.pool = self.task.problems(self.s["train_problems"], seed=self.s["seed"], split="train")
         self.step = 0
@@ -94,6 +107,7 @@ class LocalTrainer:
             "controller": None if self.controller is None else self.controller.state_dict(),
             "memory": self.memory.as_dict(),
             "generator": self.gen.get_state(),
+            "device": self.device.type,
             "torch_rng": torch.get_rng_state(),
             "py_rng": self.py_rng.getstate(),
         }, tmp / "trainer_state.pt")
@@ -108,12 +122,17 @@ class LocalTrainer:
     def _restore(self) -> None:
         ckpt = self.run_dir / CHECKPOINT
         self._build(ckpt)
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        # to CPU whatever device saved it: RNG states must be CPU tensors, and the optimizer moves its state to
+        # the parameters' device itself
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False, map_location="cpu")
         self.opt.load_state_dict(state["optimizer"])
         if self.controller is not None:
             self.controller.load_state_dict(state["controller"])
         self.memory = StepMemory(**(state.get("memory") or {}))  # absent in checkpoints written before it
-        self.gen.set_state(state["generator"])
+        if state.get("device", "cpu") == self.device.type:
+            self.gen.set_state(state["generator"])
+        else:  # saved on another kind of device: its generator state does not fit this one
+            self.gen.manual_seed(self.s["seed"] * 1_000_003 + state["step"])
         torch.set_rng_state(state["torch_rng"])
         self.py_rng.setstate(state["py_rng"])
         self.step = state["step"]
@@ -130,13 +149,15 @@ class LocalTrainer:
         rounds = self.algo.max_gen_rounds if self.algo.dynamic_sampling else 1
         for _ in range(rounds):
             problems = self.py_rng.sample(self.pool, P)
-            ids, attn = encode_prompts(self.tokenizer, [p.prompt for p in problems], chat=self.chat)
+            ids, attn = encode_prompts(self.tokenizer, [p.prompt for p in problems], chat=self.chat,
+                                       device=self.device)
             self.model.eval()
             r = sample(self.model, self.tokenizer, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0),
                        max_new_tokens=self.s["max_new_tokens"], temperature=self.s["temperature"],
                        generator=self.gen)
             self.model.train()
-            rewards = torch.tensor([self.task.reward(problems[i // G], t) for i, t in enumerate(r.texts)]).view(P, G)
+            rewards = torch.tensor([self.task.reward(problems[i // G], t) for i, t in enumerate(r.texts)],
+                                   device=self.device).view(P, G)
             all_rewards.append(rewards)
             if self.algo.dynamic_sampling:
                 keep = informative_groups(rewards).nonzero().squeeze(-1).tolist()
@@ -187,7 +208,7 @@ class LocalTrainer:
 
         # the split: mini-batches (one optimizer step each) of micro-batches (accumulated with global counts)
         n = actions.shape[0]
-        order = torch.randperm(n, generator=self.gen)
+        order = torch.randperm(n, generator=self.gen, device=self.device)
         mb_count = self.s["mini_batches"]
         plan = [list(mb.split(self.s["micro_batch_size"])) for mb in order.chunk(mb_count)]
         step = stare_step(self.controller, self.algo, old_logprobs, adv, mask, stats, memory=self.memory,
@@ -254,7 +275,7 @@ class LocalTrainer:
         self.model.eval()
         result = evaluate_policy(self.model, self.tokenizer, self.task, n_problems=self.s["eval_problems"],
                                  k=self.s["eval_k"], seed=self.s["seed"], max_new_tokens=self.s["max_new_tokens"],
-                                 temperature=self.s["temperature"], chat=self.chat)
+                                 temperature=self.s["temperature"], chat=self.chat)  # on the model's device
         ws = self.warmstart_dir / "warmstart.json"
         if ws.exists():
             result["warmstart"] = json.loads(ws.read_text()).get("eval")

@@ -16,11 +16,12 @@ from .policy import SEPARATOR, build_char_tokenizer, build_tiny_model, encode_pr
 from .tasks import Task
 
 
-def _sft_batch(tokenizer, task: Task, problems, rng: random.Random, noise: float):
+def _sft_batch(tokenizer, task: Task, problems, rng: random.Random, noise: float, device: torch.device):
     texts = [tokenizer.bos_token + p.prompt + SEPARATOR + task.demonstration(p, rng, noise) + tokenizer.eos_token
              for p in problems]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids, attn = enc["input_ids"], enc["attention_mask"]
+    enc = tokenizer(texts, padding=True, add_special_tokens=False)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long, device=device)
+    attn = torch.tensor(enc["attention_mask"], dtype=torch.long, device=device)
     sep_id = tokenizer.convert_tokens_to_ids(SEPARATOR)
     # loss on the demonstration and its end token only: positions after the separator
     after_sep = (ids == sep_id).long().cumsum(-1) > 0
@@ -29,18 +30,25 @@ def _sft_batch(tokenizer, task: Task, problems, rng: random.Random, noise: float
 
 
 def train_warmstart(task: Task, out_dir: Path, *, seed: int, steps: int, batch_size: int, lr: float, noise: float,
-                    hidden: int, layers: int, progress=None) -> Path:
-    """Train (or reuse) the warm-start policy for ``seed``; returns its folder."""
+                    hidden: int, layers: int, progress=None, device: torch.device | str = "cpu") -> Path:
+    """Train (or reuse) the warm-start policy for ``seed`` on ``device``; returns its folder.
+
+    The cache key (``warmstart.json``'s settings) names the device when it is not the CPU: a GPU warm start is
+    not bit-identical with the CPU one, so neither is ever taken for the other (keys without a device are CPU
+    ones, as before the setting existed)."""
     out_dir = Path(out_dir)
+    device = torch.device(device)
     settings = {"task": task.name, "seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "noise": noise,
                 "hidden": hidden, "layers": layers}
+    if device.type != "cpu":
+        settings["device"] = device.type
     meta = out_dir / "warmstart.json"
     if meta.exists() and json.loads(meta.read_text()).get("settings") == settings:
         return out_dir
     tokenizer = build_char_tokenizer(task.charset)
     model = build_tiny_model(len(tokenizer), hidden=hidden, layers=layers, seed=seed,
                              pad_id=tokenizer.pad_token_id, bos_id=tokenizer.bos_token_id,
-                             eos_id=tokenizer.eos_token_id)
+                             eos_id=tokenizer.eos_token_id).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     problems = task.problems(steps * batch_size, seed=seed, split="train")
     rng = random.Random(f"warmstart:{seed}")
@@ -48,7 +56,7 @@ def train_warmstart(task: Task, out_dir: Path, *, seed: int, steps: int, batch_s
     model.train()
     for step in range(steps):
         batch = problems[step * batch_size:(step + 1) * batch_size]
-        ids, attn, labels = _sft_batch(tokenizer, task, batch, rng, noise)
+        ids, attn, labels = _sft_batch(tokenizer, task, batch, rng, noise, device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         loss = model(input_ids=ids, attention_mask=attn, position_ids=pos, labels=labels).loss
         opt.zero_grad(set_to_none=True)
