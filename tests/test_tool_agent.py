@@ -500,3 +500,24 @@ def test_tool_turn_seeds_are_distinct_across_a_run():
     seeds = [turn_seed(problem_seed(3, i, k) + j, r) for i in range(n) for j in range(k) for r in range(turns)]
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**64 for s in seeds)
     assert all(turn_seed(s, 0) == s and turn_seed(s, 1) >= 2**63 for s in seeds[:10])
+
+
+def test_tool_output_never_overshoots_the_token_budget(tokenizers):
+    """The budget (max tokens) covers tool output as well as model turns: an observation longer than the room
+    left is cut to it and the sample ends as truncated (token_budget); found on the real engine (a 128-token
+    budget once ended with 116 + 43 tokens)."""
+    from stare.cli.agent.multiturn import ToolUseBackend
+    from stare.eval.harness import Protocol
+
+    tok = tokenizers[0]
+    action = "```python\nprint('x ' * 300)\n```\n```output"
+    llm = FakeVLLM(tok, [(action, False)])
+    inner = SimpleNamespace(name="vllm", tokenizer=tok, llm=llm, _sampling_params=lambda **kw: kw,
+                            prompt_text=lambda problem, instruction: f"{problem}\n{instruction}")
+    budget = len(tok(action, add_special_tokens=False)["input_ids"]) + 25  # room for 25 tokens of output
+    backend = ToolUseBackend(inner, ToolConfig(max_turns=3))
+    ((text, n_model, extra),) = backend.generate("Q", 1, Protocol("stare", 1, 1.0, 0.7, budget), seed=1)
+    assert extra["tool_calls"] == 1 and extra["done_reason"] == "token_budget" and extra["truncated"]
+    assert n_model + extra["tool_output_tokens"] == budget  # filled exactly, not past it
+    assert text.startswith(action) and "x x x" in text
+    assert len(llm.params) == 1  # the sample never went back to the engine

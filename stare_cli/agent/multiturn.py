@@ -122,6 +122,16 @@ class ToolUseBackend:
                 for i, fb in zip(active, feedbacks):
                     if fb:
                         fb_ids = tok(fb, add_special_tokens=False)["input_ids"]
+                        # the budget (and the context) holds tool output too: an observation that does not fit
+                        # is cut to the room left and ends the sample as truncated (nothing would follow it)
+                        room_budget = proto.max_tokens - used[i]
+                        room_context = None if context is None else context - len(ctx[i])
+                        fits = room_budget if room_context is None else min(room_budget, room_context)
+                        if len(fb_ids) > fits:
+                            fb_ids = fb_ids[:max(fits, 0)]
+                            fb = tok.decode(fb_ids)
+                            episodes[i].stop("context" if room_context is not None and room_context < room_budget
+                                             else "token_budget")
                         ctx[i] += fb_ids
                         used[i] += len(fb_ids)
                         tool_tokens[i] += len(fb_ids)
