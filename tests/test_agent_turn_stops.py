@@ -27,17 +27,8 @@ from stare.cli.agent.loop import chat_format, plain_format
 from tiny_models import build_tiny_model
 from test_tool_agent import AGENT_FILE, CHATML, code
 
-# vLLM 0.29.0's SamplingParams fields (vllm/sampling_params.py) with their defaults
-VLLM_FIELDS = {
-    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
-    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None, "stop_token_ids": None, "ignore_eos": False,
-    "max_tokens": 16, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "logprob_token_ids": None,
-    "flat_logprobs": False, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "include_stop_str_in_output": False, "output_kind": 0, "stream_interval": None, "skip_clone": False,
-    "output_text_buffer_length": 0, "structured_outputs": None, "logit_bias": None, "allowed_token_ids": None,
-    "extra_args": None, "bad_words": None, "thinking_token_budget": None, "repetition_detection": None,
-    "skip_reading_prefix_cache": None, "trace_decode_token_ids": None,
-}
+# vLLM 0.29.0's SamplingParams fields with their defaults: one list, the strict stand-in's (tests/vllm_standin.py)
+from vllm_standin import SAMPLING_FIELDS as VLLM_FIELDS  # noqa: E402
 
 
 class StrictSamplingParams:

@@ -34,7 +34,7 @@ class VLLMValidationError(Exception):
 # its public fields in declaration order, with their defaults. A msgspec Struct's __init__ takes exactly these
 # (positionally in this order, or by name) and raises TypeError("Unexpected keyword argument 'x'") for any other.
 # (Its private fields _eos_token_id, _all_stop_token_ids, _bad_words_token_ids are left out: nothing here sets them.)
-_FIELDS = {
+SAMPLING_FIELDS = {
     "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
     "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None, "stop_token_ids": None, "ignore_eos": False,
     "max_tokens": 16, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "logprob_token_ids": None,
@@ -48,13 +48,13 @@ _FIELDS = {
 
 class SamplingParams:
     def __init__(self, *args, **kwargs):
-        names = list(_FIELDS)
+        names = list(SAMPLING_FIELDS)
         if len(args) > len(names):
             raise TypeError(f"Extra positional arguments provided: {len(args)} > {len(names)}")
-        values = dict(_FIELDS)
+        values = dict(SAMPLING_FIELDS)
         values.update(zip(names, args))
         for name, value in kwargs.items():
-            if name not in _FIELDS:
+            if name not in SAMPLING_FIELDS:
                 raise TypeError(f"Unexpected keyword argument '{name}'")  # msgspec.Struct.__init__
             if name in names[:len(args)]:
                 raise TypeError(f"Argument '{name}' given by name and by position")
@@ -112,7 +112,7 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     def __repr__(self):
-        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if _FIELDS.get(k) != v)})"
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if SAMPLING_FIELDS.get(k) != v)})"
 
 
 @dataclass
