@@ -71,6 +71,7 @@ LOCAL_RUN_SETTING_HELP = {
     "eval_k": "samples per held-out problem (avg@k, pass@k)",
     "save_every": "a checkpoint every N steps (what --resume continues from)",
     "threads": "torch threads per arm",
+    "device": "where the local engine trains: cpu (default: the README's numbers), cuda (one GPU) or auto",
     "hidden": "tiny model: hidden size",
     "layers": "tiny model: transformer layers",
     "warmstart_steps": "tiny model: supervised warm-start steps before RL",
