@@ -7,7 +7,7 @@ optimizer step). OpenRLHF's real ``Actor`` and trainer run on a tiny random Llam
 small strategy object (backward, an SGD step), the same for every variant. Variants:
 
 - ``openrlhf``: OpenRLHF's own trainer and loss (no plugin);
-- ``grpo``: the plugin with a baseline (telemetry only, ``telemetry: full``);
+- ``grpo``: the plugin with a baseline (telemetry only; ``--telemetry``, default ``full``);
 - ``stare``: the plugin, O1, gate forced on (target entropy 100);
 - ``stare-phi``: the plugin, Phi-sign selection, band gate forced on.
 
@@ -15,7 +15,8 @@ Each variant has its own model (same seed) and the learning rate is 0, so every 
 weights and the gate stays on. Repeats are interleaved; medians. Targets (idle 2-core machine):
 grpo <= 1.03, stare <= 1.05, stare-phi <= 1.10 times OpenRLHF's own step.
 
-    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1] [--clock wall|cpu] [--quick]
+    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1] [--clock wall|cpu]
+        [--telemetry full|entropy|off] [--quick]
 
 The last line is one JSON object ``{"grpo": r, "stare": r, "stare-phi": r}`` of the ratios to OpenRLHF's own.
 """
@@ -51,6 +52,8 @@ parser.add_argument("--micro-batch", type=int, default=4, help="train and rollou
 parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
 parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall (default) or this process's CPU time (less disturbed by other load; 1 thread)")
+parser.add_argument("--telemetry", choices=["full", "entropy", "off"], default="full",
+                    help="the plugin variants' telemetry setting (default full: entropy, Phi, shares)")
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
 args = parser.parse_args()
 if args.quick:
@@ -185,7 +188,7 @@ def make_trainer(variant):
     _DEVICE[0] = "cpu"
     if variant != "openrlhf":
         over = {"stare": {"target_entropy": 100.0}, "stare-phi": {"band_low": 99.0, "band_high": 100.0}}
-        algo = get_algorithm(variant, **over.get(variant, {}))
+        algo = get_algorithm(variant, telemetry=args.telemetry, **over.get(variant, {}))
         trainer = plugin.install(SimpleNamespace(trainer=trainer),
                                  {SETTINGS_ENV: json.dumps({"algo": algo.to_dict(), "run": "bench"})})
     return trainer
@@ -236,7 +239,8 @@ else:  # the same interleaving as _timing.interleaved_times, on the process's CP
             times[v].append(time.process_time() - t0)
 
 size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
-        f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock")
+        f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
+        f"telemetry {args.telemetry}")
 print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
 print(f"{'variant':<10} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
 base = median(times["openrlhf"])
