@@ -74,16 +74,16 @@ def resolve_protocol(name: str, **overrides) -> Protocol:
     chosen = {k: v for k, v in overrides.items() if v is not None}
     proto = replace(PROTOCOLS[name], **chosen)
     if proto.k < 1:
-        raise ValueError(f"k must be >= 1, got {proto.k}")
+        raise ValueError(f"--k must be >= 1, got {proto.k}")
     if not 0 < proto.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {proto.top_p}")
+        raise ValueError(f"--top-p must be in (0, 1], got {proto.top_p}")
     if not (math.isfinite(proto.temperature) and 0 <= proto.temperature <= MAX_TEMPERATURE):
         raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE:g}], got {proto.temperature}")
     if is_greedy(proto) and proto.k > 1:
         raise ValueError(f"--temperature {proto.temperature} is greedy decoding, which gives one sample per "
                          f"problem, but --k is {proto.k}: use --k 1 (or a temperature > 0)")
     if proto.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {proto.max_tokens}")
+        raise ValueError(f"--max-tokens must be >= 1, got {proto.max_tokens}")
     return proto
 
 

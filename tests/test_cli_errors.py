@@ -409,3 +409,13 @@ def test_hub_lookup_classifies_the_hub_answer(monkeypatch, raised, expected):
 
     monkeypatch.setattr(huggingface_hub, "model_info", model_info)
     assert errors._hub_lookup("o/n", 1.0)[0] is expected
+
+
+@pytest.mark.parametrize("flag, value", [("--top-p", "0"), ("--top-p", "1.5"), ("--temperature", "2.5")])
+def test_protocol_range_errors_name_the_flag(tmp_path, flag, value):
+    """Values the parser accepts but the protocol refuses (top_p in (0, 1], temperature in [0, 2]): one line that
+    spells the flag as typed, before any model loads."""
+    res = invoke("eval", "--bench", "aime24", "--model", "x/y", flag, value, "--out", str(tmp_path / "o"))
+    line = one_line(res)
+    assert line.startswith(f"error: {flag} must be in ") and f"got {float(value)}" in line, line
+    assert not (tmp_path / "o").exists()
