@@ -127,21 +127,6 @@ class Sched:
         return [0.0]
 
 
-def openrlhf_args():
-    ns = SimpleNamespace
-    return ns(
-        train=ns(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False,
-                 max_tokens_per_gpu=4096),
-        actor=ns(eps_clip_low_high=(0.2, 0.28), dual_clip=10.0, loss_agg_mode="token-mean", policy_loss_type="ppo",
-                 aux_loss_coef=0.0, entropy_coef=None),
-        algo=ns(advantage=ns(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
-                             is_correction_threshold=(0.5, 5.0)),
-                kl=ns(use_loss=False, init_coef=0.0)),
-        ds=ns(packing_samples=False, tensor_parallel_size=1),
-        vllm=ns(sync_backend="nccl"),
-    )
-
-
 def make_model():
     torch.manual_seed(0)
     heads = max(1, args.hidden // 32)
@@ -176,7 +161,7 @@ def make_rollouts():
 
 
 def make_trainer(variant):
-    cfg = openrlhf_args()
+    cfg = openrlhf_standins.openrlhf_args()
     actor = Actor(make_model())
     actor.packing_samples = False
     optim = torch.optim.SGD(actor.parameters(), lr=0.0)

@@ -33,18 +33,7 @@ V, PROMPT, RESP, B = 48, 4, 7, 8  # vocabulary, prompt length, longest response,
 
 
 def _args(agg="token-mean", clip=(0.2, 0.28), dual_clip=10.0):
-    ns = SimpleNamespace
-    return ns(
-        train=ns(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False,
-                 max_tokens_per_gpu=4096),
-        actor=ns(eps_clip_low_high=clip, dual_clip=dual_clip, loss_agg_mode=agg, policy_loss_type="ppo",
-                 aux_loss_coef=0.0, entropy_coef=None),
-        algo=ns(advantage=ns(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
-                             is_correction_threshold=(0.5, 5.0)),
-                kl=ns(use_loss=False, init_coef=0.0)),
-        ds=ns(packing_samples=False, tensor_parallel_size=1),
-        vllm=ns(sync_backend="nccl"),
-    )
+    return openrlhf_standins.openrlhf_args(agg, clip, dual_clip)
 
 
 class _Strategy:

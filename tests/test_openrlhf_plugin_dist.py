@@ -60,6 +60,14 @@ def _run(trainer, exp, stash, buffer):
             "report": dict(trainer.stare_stash_report)}
 
 
+def _plugin_trainer(mp):
+    """(trainer with the plugin installed and SETTINGS applied, one experience batch), as every rank builds them."""
+    settings = dict(SETTINGS)
+    base._settings_env(mp, settings.pop("algo"), **settings)
+    exp = base._experience(base._model())
+    return base._install(base._trainer(mp, base._model(), base._args())), exp
+
+
 def _worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
@@ -67,10 +75,7 @@ def _worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mp = pytest.MonkeyPatch()
     try:
-        settings = dict(SETTINGS)
-        base._settings_env(mp, settings.pop("algo"), **settings)
-        exp = base._experience(base._model())
-        trainer = base._install(base._trainer(mp, base._model(), base._args()))
+        trainer, exp = _plugin_trainer(mp)
         results = {}
         for name, sc in SCENARIOS.items():
             results[name] = _run(trainer, exp, sc["stash"][rank], sc["buffer"][rank])
@@ -98,10 +103,7 @@ def two_ranks(tmp_path_factory):
 def one_rank():
     mp = pytest.MonkeyPatch()
     try:
-        settings = dict(SETTINGS)
-        base._settings_env(mp, settings.pop("algo"), **settings)
-        exp = base._experience(base._model())
-        trainer = base._install(base._trainer(mp, base._model(), base._args()))
+        trainer, exp = _plugin_trainer(mp)
         return _run(trainer, exp, [], list(range(B)))
     finally:
         mp.undo()
