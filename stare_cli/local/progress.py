@@ -22,7 +22,9 @@ def live_status(rec: dict | None) -> str:
     """'reward 0.81 H 0.42' from a step's metrics record ('training' before the first step)."""
     if not rec or "reward_mean" not in rec:
         return "training"
-    entropy = rec.get("stare/entropy", rec.get("entropy"))  # older runs: "entropy"; telemetry off: none
+    from stare.algorithms import upgrade_metric_names
+
+    entropy = upgrade_metric_names(rec).get("stare/entropy")  # older runs wrote "entropy"; none: not logged
     return f"reward {rec['reward_mean']:.2f}" + ("" if entropy is None else f" H {entropy:.2f}")
 
 
