@@ -25,6 +25,7 @@ have different states), and is otherwise seeded again from the seed and the step
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -59,6 +60,13 @@ CHECKPOINT = "checkpoint"
 FINAL = "final"
 
 
+def clip_cov_seed(seed: int) -> int:
+    """The seed of Clip-Cov's own generator for a run seeded ``seed`` (a hash of it, so its stream is unrelated to
+    the sampling generator's, which is seeded with ``seed`` itself)."""
+    h = hashlib.blake2b(f"stare-clip-cov:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**63 - 1)
+
+
 def warmstart_name(device: torch.device, base: str = "warmstart") -> str:
     """The warm start cache folder's name: a GPU warm start is not bit-identical with the CPU one, so it gets its
     own folder (``warmstart-cuda``) and never replaces or stands in for a CPU one (CPU keeps the old name)."""
@@ -90,6 +98,8 @@ class LocalTrainer:
         self.controller = self.algo.make_controller()
         self.memory = StepMemory()  # the previous step's batch entropy and forecast
         self.gen = torch.Generator(self.device).manual_seed(self.s["seed"])
+        # Clip-Cov's random choice among its candidates: its own generator, so no other algorithm's streams move
+        self.clip_gen = torch.Generator(self.device).manual_seed(clip_cov_seed(self.s["seed"]))
         self.py_rng = random.Random(f"rl:{self.s['seed']}")
         self.pool = self.task.problems(self.s["train_problems"], seed=self.s["seed"], split="train")
         self.step = 0
@@ -107,6 +117,7 @@ class LocalTrainer:
             "controller": None if self.controller is None else self.controller.state_dict(),
             "memory": self.memory.as_dict(),
             "generator": self.gen.get_state(),
+            "clip_generator": self.clip_gen.get_state(),
             "device": self.device.type,
             "torch_rng": torch.get_rng_state(),
             "py_rng": self.py_rng.getstate(),
@@ -131,8 +142,11 @@ class LocalTrainer:
         self.memory = StepMemory(**(state.get("memory") or {}))  # absent in checkpoints written before it
         if state.get("device", "cpu") == self.device.type:
             self.gen.set_state(state["generator"])
+            if "clip_generator" in state:  # absent in checkpoints written before Clip-Cov
+                self.clip_gen.set_state(state["clip_generator"])
         else:  # saved on another kind of device: its generator state does not fit this one
             self.gen.manual_seed(self.s["seed"] * 1_000_003 + state["step"])
+            self.clip_gen.manual_seed(clip_cov_seed(self.s["seed"] * 1_000_003 + state["step"]))
         torch.set_rng_state(state["torch_rng"])
         self.py_rng.setstate(state["py_rng"])
         self.step = state["step"]
@@ -212,8 +226,9 @@ class LocalTrainer:
         mb_count = self.s["mini_batches"]
         plan = [list(mb.split(self.s["micro_batch_size"])) for mb in order.chunk(mb_count)]
         step = stare_step(self.controller, self.algo, old_logprobs, adv, mask, stats, memory=self.memory,
-                          micro_batches=[micro for micros in plan for micro in micros])
-        weights, entropy = step.weights, step.metrics["stare/entropy"]
+                          micro_batches=[micro for micros in plan for micro in micros],
+                          generator=self.clip_gen if self.algo.token_rule == "clip-cov" else None)
+        weights, penalty, entropy = step.weights, step.penalty, step.metrics["stare/entropy"]
         self.memory = step.memory
         rec.update(step.metrics)
 
@@ -229,6 +244,8 @@ class LocalTrainer:
                                       clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
                                       dual_clip=self.algo.dual_clip, agg=self.algo.agg,
                                       weights=None if weights is None else weights[micro],
+                                      penalty=None if penalty is None else penalty[micro],
+                                      clip=not self.algo.unclipped,
                                       num_tokens=n_tok, num_seqs=n_seq, norm_len=self.s["max_new_tokens"])
                 loss.backward()
                 for k, v in {"loss": loss.detach(), **m}.items():

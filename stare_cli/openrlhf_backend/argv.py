@@ -72,6 +72,13 @@ AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-
              "seq-mean-token-sum-norm": "token-mean"}
 
 
+# The entropy baselines' token rules (stare.algorithms' TOKEN_RULES other than "none") -> the settings the plugin
+# reads for each, printed by the dry run under "stare"; KL-Cov's surrogate is unclipped (AlgoConfig.unclipped).
+RULE_SETTINGS = {"clip-cov": ("clip_ratio", "cov_low", "cov_high"), "kl-cov": ("k_ratio", "kl_coef"),
+                 "80-20": ("top_ratio",)}
+UNCLIPPED_RULES = ("kl-cov",)
+
+
 class SettingsError(ValueError):
     """A preset's settings do not fit the schema (the CLI exits with code 2)."""
 
@@ -176,9 +183,17 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     flag("actor.max_norm", s["grad_clip"])
     # the algorithm
     flag("algo.advantage.estimator", "group_norm" if algo["std_norm"] else "dr_grpo")
-    flag("actor.eps_clip_low_high", algo["clip_low"], algo["clip_high"])
-    if algo["dual_clip"] is not None:
-        flag("actor.dual_clip", algo["dual_clip"])
+    rule = algo.get("token_rule", "none")
+    if rule in UNCLIPPED_RULES:
+        # KL-Cov's surrogate is -A r for every token: OpenRLHF's clip range made infinite (its clamp is then the
+        # identity) and no dual clip; the plugin sets the same on the loss it wraps
+        flag("actor.eps_clip_low_high", float("inf"), float("inf"))
+        notes.append(f"{algo['name']}: unclipped surrogate (-A r for every token): --actor.eps_clip_low_high inf inf "
+                     "and no --actor.dual_clip; clip_low/clip_high/dual_clip are not used")
+    else:
+        flag("actor.eps_clip_low_high", algo["clip_low"], algo["clip_high"])
+        if algo["dual_clip"] is not None:
+            flag("actor.dual_clip", algo["dual_clip"])
     flag("actor.loss_agg_mode", AGG_MODES[algo["agg"]])
     if algo["agg"] == "seq-mean-token-sum-norm":
         notes.append("OpenRLHF has no seq-mean-token-sum-norm aggregation; Dr.GRPO runs with token-mean")
@@ -230,6 +245,8 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
                                       "scope", "controller", "target_entropy", "adaptive", "alpha", "w_max",
                                       "m_min", "band_low", "band_high", "band_target", "gain", "two_sided",
                                       "telemetry")}
+    elif rule != "none":  # an entropy baseline: the plugin applies its token rule once per step
+        stare = {k: algo[k] for k in ("name", "token_rule", *RULE_SETTINGS[rule], "telemetry")}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}

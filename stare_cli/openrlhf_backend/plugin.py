@@ -35,7 +35,9 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import math
 import os
 from pathlib import Path
 
@@ -45,7 +47,7 @@ check_openrlhf_version()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from openrlhf.models import PolicyLoss  # noqa: E402
+from openrlhf.models import PolicyLoss, aggregate_loss  # noqa: E402
 from openrlhf.models.ring_attn_utils import (  # noqa: E402
     gather_and_pad_tensor,
     get_tensor_in_current_ring_attn_rank,
@@ -88,16 +90,26 @@ def load_settings(environ=None) -> tuple[AlgoConfig, str]:
 
 
 class StarePolicyLoss(PolicyLoss):
-    """OpenRLHF's ``PolicyLoss`` with a per-token weight (``token_weights``, set per micro-batch)."""
+    """OpenRLHF's ``PolicyLoss`` with a per-token weight (``token_weights``) and a per-token KL coefficient
+    (``token_penalty``, KL-Cov), both set per micro-batch."""
 
     token_weights: torch.Tensor | None = None
+    token_penalty: torch.Tensor | None = None
 
     @classmethod
-    def from_parsed(cls, loss: PolicyLoss) -> "StarePolicyLoss":
-        """The same loss with every setting OpenRLHF parsed (a copy of its attributes)."""
+    def from_parsed(cls, loss: PolicyLoss, *, unclipped: bool = False) -> "StarePolicyLoss":
+        """The same loss with every setting OpenRLHF parsed (a copy of its attributes).
+
+        ``unclipped`` (KL-Cov): OpenRLHF's own loss with every clip branch inactive: clip range (-inf, inf), so
+        ``ratio.clamp`` is the identity and ``-min(r A, clamp(r) A)`` is ``-r A`` (the clip ratio it reports is
+        0), and no dual clip. The log-ratio's +-20 clamp (a numerical guard, not a clip) stays."""
         new = cls.__new__(cls)
         new.__dict__.update(loss.__dict__)
         new.token_weights = None
+        new.token_penalty = None
+        if unclipped:
+            new.clip_eps_low = new.clip_eps_high = math.inf
+            new.dual_clip = None
         return new
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, *args, **kwargs):
@@ -105,10 +117,28 @@ class StarePolicyLoss(PolicyLoss):
         if w is not None:
             if w.shape != advantages.shape:
                 raise ValueError(f"STARE weights {tuple(w.shape)} do not match the advantages {tuple(advantages.shape)}")
-            # w > 0 holds by construction (W, M and damp are validated > 0); no host read here, the loss
-            # runs once per micro-batch and must not synchronise
+            # w >= 0 holds by construction (W, M and damp are validated > 0; the baselines' masks are 0/1); no host
+            # read here, the loss runs once per micro-batch and must not synchronise
             advantages = advantages * w.to(device=advantages.device, dtype=advantages.dtype)
-        return super().forward(log_probs, old_log_probs, advantages, action_mask, *args, **kwargs)
+        out = super().forward(log_probs, old_log_probs, advantages, action_mask, *args, **kwargs)
+        c = self.token_penalty
+        if c is None:
+            return out
+        if c.shape != log_probs.shape:
+            raise ValueError(f"KL-Cov coefficients {tuple(c.shape)} do not match the log-probs {tuple(log_probs.shape)}")
+        # KL-Cov's term c * |log p - log p_old|, aggregated by OpenRLHF's own aggregate_loss with the arguments
+        # its loss got (token- or sequence-level, global counts, dp_size): aggregation is linear in the
+        # per-token loss, so this is the aggregate of (OpenRLHF's per-token loss + the term)
+        call = _LOSS_SIGNATURE.bind(self, log_probs, old_log_probs, advantages, action_mask, *args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        term = c.to(device=log_probs.device, dtype=log_probs.dtype) * (log_probs - old_log_probs).abs()
+        penalty = aggregate_loss(term, action_mask, token_level_loss=self.token_level_loss, dp_size=a["dp_size"],
+                                 batch_num_tokens=a["batch_num_tokens"], global_batch_size=a["global_batch_size"])
+        return (out[0] + penalty, *out[1:])
+
+
+_LOSS_SIGNATURE = inspect.signature(PolicyLoss.forward)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,6 +165,13 @@ def _sample_key(sequence: torch.Tensor, attention: torch.Tensor) -> tuple[bytes,
     return h.digest(), right_pad
 
 
+def clip_cov_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of Clip-Cov's generator on ``rank`` at ``step`` (0-based) of a run seeded ``seed``: a hash of the
+    three, so streams of neighbouring ranks and steps are unrelated."""
+    h = hashlib.blake2b(f"stare-clip-cov:{seed}:{rank}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**63 - 1)
+
+
 class StareActorTrainer(ActorPPOTrainer):
     """OpenRLHF's ``ActorPPOTrainer`` with STARE. Never constructed: ``install`` re-classes OpenRLHF's own."""
 
@@ -150,12 +187,26 @@ class StareActorTrainer(ActorPPOTrainer):
         self._stare_stash: dict[bytes, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
         self._stare_version = 0  # bumped after every ppo_train (the weights change there)
         self.stare_stash_report = {"stashed": 0, "exchanged": 0, "recomputed": 0}
+        # the entropy baselines' token rule (clip-cov, kl-cov, 80-20): uid -> KL-Cov coefficients row, and the
+        # count of steps so far (restored with the checkpoint), which seeds Clip-Cov's per-step generator
+        self._stare_penalty_rows: dict[int, torch.Tensor] = {}
+        self.stare_steps = 0
 
     def _stare_needs(self) -> tuple[bool, bool]:
         """(entropy, phi): which per-token statistics this run needs from the old policy."""
         cfg = self.stare_cfg
         need_phi = cfg.needs_phi or cfg.telemetry == "full"
-        return cfg.stare or cfg.telemetry != "off" or need_phi, need_phi
+        return cfg.needs_entropy or need_phi, need_phi
+
+    def _stare_generator(self) -> torch.Generator | None:
+        """Clip-Cov's random choice among its candidates: a generator of this rank for this step, seeded from the
+        run's seed (``--train.seed``), the rank and the step count, so a run (and a resumed run) reproduces."""
+        if self.stare_cfg.token_rule != "clip-cov":
+            return None
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        seed = int(getattr(self.args.train, "seed", 0) or 0)
+        return torch.Generator(device=self._stare_device()).manual_seed(
+            clip_cov_seed(seed, rank, self.stare_steps))
 
     # ---- distributed helpers --------------------------------------------------------------------
     def _stare_group(self):
@@ -380,25 +431,30 @@ class StareActorTrainer(ActorPPOTrainer):
             item.info[UID_KEY] = uid
         device = self._stare_device()
         self._stare_rows = {}
+        self._stare_penalty_rows = {}
         need_ent, need_phi = self._stare_needs()
-        if not need_ent:  # a baseline with telemetry off: nothing to compute
+        rule = cfg.token_rule != "none"  # an entropy baseline's token rule runs whatever the telemetry
+        if not need_ent and not rule:  # a baseline with telemetry off: nothing to compute
             return {}
-        stats = self._stare_step_stats(items)
+        # the old policy's statistics (none for Clip-Cov / KL-Cov with telemetry off: their rules read log-probs)
+        stats = self._stare_step_stats(items) if need_ent else None
         if items:
             width = max(it.action_mask.shape[0] for it in items)
             mask = _pad_rows([it.action_mask.to(device) for it in items], width, 0).bool()
             logp = _pad_rows([it.action_log_probs.to(device).float() for it in items], width, 0.0)
             adv = _pad_rows([it.advantages.to(device).float() for it in items], width, 0.0)
-            ent = _pad_rows([s[0] for s in stats], width, 0.0)
+            ent = _pad_rows([s[0] for s in stats], width, 0.0) if need_ent else None
             phi = _pad_rows([s[1] for s in stats], width, 0.0) if need_phi else None
         else:  # a rank with an empty buffer still joins every collective in stare_step
             mask = torch.zeros(1, 1, dtype=torch.bool, device=device)
-            logp = adv = ent = torch.zeros(1, 1, device=device)
+            logp = adv = torch.zeros(1, 1, device=device)
+            ent = torch.zeros(1, 1, device=device) if need_ent else None
             phi = torch.zeros(1, 1, device=device) if need_phi else None
         # the shared once-per-step block: batch entropy all-reduced, controller, (global scope) weights exact
         # across ranks, telemetry; with scope micro_batch the weights are chosen in _stare_batch_weights
         step = stare_step(self.stare_controller, cfg, logp, adv, mask, EntropyStats(ent, -logp, phi),
-                          memory=StepMemory(**self.stare_prev), group=self._stare_group())
+                          memory=StepMemory(**self.stare_prev), group=self._stare_group(),
+                          generator=self._stare_generator())
         self.stare_state = step.state
         self.stare_prev = step.memory.as_dict()
         weights = step.weights
@@ -408,17 +464,20 @@ class StareActorTrainer(ActorPPOTrainer):
             n = item.action_mask.shape[0]
             self._stare_rows[uid] = (weights[uid, :n] if weights is not None else None,
                                      phi[uid, :n] if keep_phi and phi is not None else None)
+            if step.penalty is not None:
+                self._stare_penalty_rows[uid] = step.penalty[uid, :n]
         return step.metrics
 
     def _stare_batch_weights(self, experience, uids) -> torch.Tensor | None:
         """This micro-batch's weights [B, A] (None: every weight is 1)."""
         state = self.stare_state
-        if self.stare_controller is None or state is None or not state.gate_on or uids is None:
+        rule = self.stare_cfg.token_rule != "none"  # a baseline's 0/1 mask, chosen over the whole step
+        if uids is None or not rule and (self.stare_controller is None or state is None or not state.gate_on):
             return None
         width = experience.action_mask.shape[1]
         device = experience.action_mask.device
         uids = [int(u) for u in uids.tolist()]
-        if self.stare_cfg.scope == "global":
+        if rule or self.stare_cfg.scope == "global":
             rows = [self._stare_rows[u][0] for u in uids]
             if any(r is None for r in rows):
                 return None
@@ -433,6 +492,13 @@ class StareActorTrainer(ActorPPOTrainer):
             weights, experience.advantages, experience.action_mask)["mean_weight"]
         return weights
 
+    def _stare_batch_penalty(self, experience, uids) -> torch.Tensor | None:
+        """This micro-batch's KL-Cov coefficients [B, A] (None: no penalty), 0 on padding."""
+        if uids is None or not self._stare_penalty_rows:
+            return None
+        rows = [self._stare_penalty_rows[int(u)].to(experience.action_mask.device) for u in uids.tolist()]
+        return _pad_rows(rows, experience.action_mask.shape[1], 0.0)
+
     # ---- OpenRLHF's entry points ----------------------------------------------------------------
     def ppo_train(self, kl_ctl: float):
         try:
@@ -440,9 +506,11 @@ class StareActorTrainer(ActorPPOTrainer):
             status = super().ppo_train(kl_ctl)
         finally:
             self._stare_rows = {}
+            self._stare_penalty_rows = {}
             self._stare_stash_clear()  # the weights change now: no stashed row may outlive this step
+            self.stare_steps += 1
         status.update(metrics)
-        if metrics:
+        if metrics and self._stare_needs()[0]:
             report = self.stare_stash_report
             status["stare/stash_recomputed"] = float(report["recomputed"])
             status["stare/stash_exchanged"] = float(report["exchanged"])
@@ -451,15 +519,17 @@ class StareActorTrainer(ActorPPOTrainer):
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         uids = experience.info.pop(UID_KEY, None)
         self.actor_loss_fn.token_weights = self._stare_batch_weights(experience, uids)
+        self.actor_loss_fn.token_penalty = self._stare_batch_penalty(experience, uids)
         try:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         finally:
             self.actor_loss_fn.token_weights = None
+            self.actor_loss_fn.token_penalty = None
 
     # ---- controller state next to OpenRLHF's checkpoints -------------------------------------------
     def stare_state_dict(self) -> dict:
         return {"controller": None if self.stare_controller is None else self.stare_controller.state_dict(),
-                "prev": self.stare_prev, "algo": self.stare_cfg.name}
+                "prev": self.stare_prev, "algo": self.stare_cfg.name, "steps": self.stare_steps}
 
     def stare_load_state_dict(self, state: dict) -> None:
         if state.get("algo") != self.stare_cfg.name:
@@ -468,6 +538,7 @@ class StareActorTrainer(ActorPPOTrainer):
         if self.stare_controller is not None and state.get("controller") is not None:
             self.stare_controller.load_state_dict(state["controller"])
         self.stare_prev = dict(state.get("prev") or {"entropy": None, "forecast": None})
+        self.stare_steps = int(state.get("steps", 0))  # absent in states written before it
 
 
 def stare_state_dir(ckpt_path: str) -> Path:
@@ -507,7 +578,7 @@ def install(actor_host, environ=None) -> StareActorTrainer:
     cfg, _ = load_settings(environ)
     trainer = actor_host.trainer
     trainer.__class__ = StareActorTrainer
-    trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn)
+    trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn, unclipped=cfg.unclipped)
     trainer.stare_setup(cfg)
     return trainer
 

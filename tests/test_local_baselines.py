@@ -1,0 +1,130 @@
+"""The entropy baselines (clip-cov, kl-cov, 80-20) in the local engine and its CLI: the rule reaches the loss,
+Clip-Cov's own generator makes a resumed run continue identically, `stare train` / `stare run` run them."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from test_local_engine import FAST, read_metrics, stare
+
+from stare.cli.local import trainer as local_trainer
+from stare.cli.presets import resolve
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """One warm start folder shared by this module's in-process runs (trained by the first that needs it)."""
+    return tmp_path_factory.mktemp("warm") / "warmstart"
+
+
+def _trainer(algo, run_dir, warm, *sets):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return local_trainer.LocalTrainer(resolve("tiny-cpu", algo, FAST + list(sets)), run_dir, warmstart_dir=warm)
+
+
+def _one_step(algo, run_dir, warm, monkeypatch, *sets):
+    """One training step; returns (trainer, its record, the stare_step calls, the policy_loss calls)."""
+    steps, losses = [], []
+    real_step, real_loss = local_trainer.stare_step, local_trainer.policy_loss
+
+    def spy_step(*a, **k):
+        result = real_step(*a, **k)
+        steps.append((k.get("generator"), k.get("micro_batches"), result))
+        return result
+
+    def spy_loss(lp, old, adv, mask, **k):
+        loss, m = real_loss(lp, old, adv, mask, **k)
+        losses.append((lp.detach(), old, adv, mask, k, loss.detach()))
+        return loss, m
+
+    monkeypatch.setattr(local_trainer, "stare_step", spy_step)
+    monkeypatch.setattr(local_trainer, "policy_loss", spy_loss)
+    t = _trainer(algo, run_dir, warm, *sets)
+    t._build(t._initial_policy_dir())
+    return t, t.train_step(), steps, losses
+
+
+def test_kl_cov_loss_is_unclipped_surrogate_plus_the_penalty(tmp_path, warm, monkeypatch):
+    t, rec, steps, losses = _one_step("kl-cov", tmp_path / "kl", warm, monkeypatch, "k_ratio=0.1", "kl_coef=2.0")
+    [(gen, micros, step)] = steps
+    assert gen is None and step.weights is None and step.penalty is not None
+    order = torch.cat(micros)
+    assert len(losses) == len(micros)
+    n_tok = step.metrics["stare/tokens"]
+    assert rec["stare/penalised_share"] == pytest.approx(float((step.penalty > 0).sum()) / n_tok)
+    assert rec["stare/penalised_share"] > 0
+    for (lp, old, adv, mask, kw, loss), micro in zip(losses, micros):
+        assert kw["clip"] is False and torch.equal(kw["penalty"], step.penalty[micro])
+        # the loss written out: -A r + c |log p - log p_old| per token, token-mean over the mini-batch's tokens
+        m = mask.float()
+        a = adv[:, None] if adv.dim() == 1 else adv
+        per_token = -a * torch.exp(lp - old) + kw["penalty"] * (lp - old).abs()
+        assert float(loss) == pytest.approx(float((per_token * m).sum() / kw["num_tokens"]), rel=1e-5, abs=1e-7)
+    assert sorted(order.tolist()) == list(range(step.penalty.shape[0]))
+
+
+def test_clip_cov_and_80_20_weights_reach_the_loss_and_only_clip_cov_draws(tmp_path, warm, monkeypatch):
+    for algo, sets in (("clip-cov", ("clip_ratio=0.1", "cov_low=0")), ("80-20", ()), ("grpo", ())):
+        monkeypatch.undo()
+        t, rec, steps, losses = _one_step(algo, tmp_path / algo, warm, monkeypatch, *sets)
+        [(gen, micros, step)] = steps
+        before = torch.Generator(t.device).manual_seed(local_trainer.clip_cov_seed(t.s["seed"]))
+        if algo == "grpo":
+            assert gen is None and step.weights is None and step.penalty is None
+            assert torch.equal(t.clip_gen.get_state(), before.get_state())  # never touched
+            assert all(kw["weights"] is None and kw["penalty"] is None and kw["clip"] for *_, kw, _ in losses)
+            continue
+        assert (gen is t.clip_gen) == (algo == "clip-cov")
+        assert torch.equal(t.clip_gen.get_state(), before.get_state()) == (algo != "clip-cov")
+        mask = step.weights.new_zeros(step.weights.shape, dtype=torch.bool)
+        for (_, _, _, m, kw, _), micro in zip(losses, micros):
+            assert kw["clip"] is True and kw["penalty"] is None and torch.equal(kw["weights"], step.weights[micro])
+            mask[micro] = m.bool()
+        dropped = (step.weights == 0) & mask
+        assert rec["stare/masked_share"] == pytest.approx(float(dropped.sum()) / float(mask.sum()))
+        assert dropped.any()
+
+
+def test_clip_cov_resumed_run_continues_identically(tmp_path, warm):
+    sets = ("steps=4", "save_every=2", "clip_ratio=0.1", "cov_low=0")
+    straight = _trainer("clip-cov", tmp_path / "straight", warm, *sets).run()
+
+    class Killed(Exception):
+        pass
+
+    def kill(step, steps, rec):
+        if step == 3:  # after step 3's metrics, before its checkpoint (there is one at step 2)
+            raise Killed
+
+    with pytest.raises(Killed):
+        _trainer("clip-cov", tmp_path / "killed", warm, *sets).run(on_step=kill)
+    resumed = _trainer("clip-cov", tmp_path / "killed", warm, *sets).run(resume=True)
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "time_s"} for r in rows]
+
+    a, b = strip(read_metrics(tmp_path / "straight")), strip(read_metrics(tmp_path / "killed"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and a == b
+    assert all(r["stare/masked_share"] > 0 for r in a if not r.get("skipped"))
+    assert straight == resumed
+
+
+def test_stare_run_and_train_run_the_baselines(tmp_path):
+    out = tmp_path / "run"
+    sets = sum((["--set", s] for s in FAST + ["steps=2"]), [])
+    res = stare("run", "--preset", "tiny-cpu", "--algos", "clip-cov,80-20", "--out", str(out), *sets)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = list(csv.DictReader((out / "comparison.csv").open()))
+    assert [r["arm"] for r in rows if r["arm"] != "warmstart"] == ["clip-cov", "80-20"]
+    for arm in ("clip-cov", "80-20"):
+        metrics = [r for r in read_metrics(out / arm) if not r.get("skipped")]
+        assert metrics and all("stare/masked_share" in r and "stare/entropy" in r for r in metrics)
+        if arm == "80-20":  # the gradient flows through the top 20% by entropy (ties at the threshold all kept)
+            assert all(0.7 < r["stare/masked_share"] <= 0.8 for r in metrics)
+    res = stare("train", "--preset", "tiny-cpu", "--algo", "kl-cov", "--out", str(tmp_path / "kl"), *sets)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = [r for r in read_metrics(tmp_path / "kl") if not r.get("skipped")]
+    assert metrics and all(r["stare/penalised_share"] > 0 for r in metrics)
+    assert json.loads((tmp_path / "kl" / "eval.json").read_text())["algo"] == "kl-cov"
