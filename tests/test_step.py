@@ -43,8 +43,8 @@ def _batch(B=6, T=9, seed=0, per_token=False):
     return logp, adv, mask, EntropyStats(entropy, -logp, phi)
 
 
-def _tokens(logp, adv, mask, stats, weights=None):
-    """One dict per response token (row-major), plain Python numbers."""
+def _tokens(logp, adv, mask, stats, weights=None, penalty=None):
+    """One dict per response token (row-major), plain Python numbers (``c``: the KL-Cov coefficient, 0 unset)."""
     B, T = logp.shape
     adv_tok = adv[:, None].expand(B, T) if adv.dim() == 1 else adv
     out = []
@@ -53,7 +53,8 @@ def _tokens(logp, adv, mask, stats, weights=None):
             if mask[i, t]:
                 out.append({"row": i, "col": t, "s": -float(logp[i, t]), "a": float(adv_tok[i, t]),
                             "h": float(stats.entropy[i, t]), "sur": float(stats.surprisal[i, t]),
-                            "phi": float(stats.phi[i, t]), "w": 1.0 if weights is None else float(weights[i, t])})
+                            "phi": float(stats.phi[i, t]), "w": 1.0 if weights is None else float(weights[i, t]),
+                            "c": 0.0 if penalty is None else float(penalty[i, t])})
     return out
 
 
@@ -89,7 +90,7 @@ def _brute_weights(logp, adv, mask, stats, cfg, w, m, damp):
     return weights
 
 
-def _hand_metrics(toks):
+def _hand_metrics(toks, penalised=False):
     n = len(toks)
     pos = [t for t in toks if t["a"] > 0]
     neg = [t for t in toks if t["a"] < 0]
@@ -108,9 +109,15 @@ def _hand_metrics(toks):
     for q, inside in cells.items():
         out[f"stare/{q}_share"] = sum(map(inside, toks)) / active
         out[f"stare/{q}_contrib"] = sum(t["a"] * t["phi"] for t in toks if inside(t)) / n
-    boosted = [t for t in pos if t["w"] > 1]
+    boosted = [t for t in toks if t["w"] > 1]
     if boosted:
-        out["stare/boosted_raise_share"] = sum(t["phi"] > 0 for t in boosted) / len(boosted)
+        out["stare/boosted_phi_pos_share"] = sum(t["phi"] > 0 for t in boosted) / len(boosted)
+    lowered = [t for t in toks if t["w"] < 1 or t["c"] > 0]
+    if lowered:
+        out["stare/lowered_phi_pos_share"] = sum(t["phi"] > 0 for t in lowered) / len(lowered)
+    out["stare/masked_share"] = sum(t["w"] == 0 for t in toks) / n
+    if penalised:
+        out["stare/penalised_share"] = sum(t["c"] > 0 for t in toks) / n
     return out
 
 
