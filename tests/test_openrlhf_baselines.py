@@ -26,6 +26,14 @@ CLIP, DUAL = (0.2, 0.28), 10.0  # what OpenRLHF parsed (the DAPO-style flags): K
 AGGS = ("token-mean", "seq-mean-token-mean")
 
 
+def _off_policy(exp, scale=0.4):
+    """The experience with old log-probs further from the current policy, so PPO's clip acts on many tokens."""
+    g = torch.Generator().manual_seed(5)
+    exp.action_log_probs = (exp.action_log_probs + scale * torch.randn(exp.action_log_probs.shape, generator=g)) \
+        * exp.action_mask
+    return exp
+
+
 # ---- the references, written out ------------------------------------------------------------------------------
 
 
@@ -143,7 +151,7 @@ def _differs(g, other):
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_kl_cov_is_openrlhfs_unclipped_loss_plus_the_penalty_aggregated_like_it(monkeypatch, agg):
-    exp = base._experience(base._model())
+    exp = _off_policy(base._experience(base._model()))
     expected, k = _kl_cov_coefs(exp, 0.1, 2.0)
     assert k >= 4
     model, trainer, status, rows, coefs = _run_step(monkeypatch, "kl-cov", agg, exp, telemetry="off",

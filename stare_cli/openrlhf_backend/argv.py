@@ -17,6 +17,8 @@ import json
 import shlex
 from pathlib import Path
 
+from stare.algorithms import AlgoConfig
+
 SETTINGS_ENV = "STARE_SETTINGS"
 REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
 PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
@@ -73,10 +75,9 @@ AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-
 
 
 # The entropy baselines' token rules (stare.algorithms' TOKEN_RULES other than "none") -> the settings the plugin
-# reads for each, printed by the dry run under "stare"; KL-Cov's surrogate is unclipped (AlgoConfig.unclipped).
+# reads for each, printed by the dry run under "stare".
 RULE_SETTINGS = {"clip-cov": ("clip_ratio", "cov_low", "cov_high"), "kl-cov": ("k_ratio", "kl_coef"),
                  "80-20": ("top_ratio",)}
-UNCLIPPED_RULES = ("kl-cov",)
 
 
 class SettingsError(ValueError):
@@ -184,7 +185,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     # the algorithm
     flag("algo.advantage.estimator", "group_norm" if algo["std_norm"] else "dr_grpo")
     rule = algo.get("token_rule", "none")
-    if rule in UNCLIPPED_RULES:
+    if AlgoConfig(**algo).unclipped:
         # KL-Cov's surrogate is -A r for every token: OpenRLHF's clip range made infinite (its clamp is then the
         # identity) and no dual clip; the plugin sets the same on the loss it wraps
         flag("actor.eps_clip_low_high", float("inf"), float("inf"))
