@@ -19,7 +19,7 @@ from rich.table import Table
 from stare.algorithms import ALGORITHMS, SETTING_NAMES
 
 from . import errors
-from .presets import PresetError, load_preset, preset_names, resolve
+from .presets import PresetError, load_preset, parse_sets, preset_names, resolve
 
 app = typer.Typer(
     name="stare",
@@ -275,7 +275,20 @@ def run(
         fail(str(exc))
     if p.backend != "local":
         fail(f"stare run trains local presets only; {preset!r} is a {p.backend!r} preset (use stare train)")
-    arm_names = _parse_algos(algos or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
+    # the arms and seeds: the flags, else `--set algos=... / seeds=...` (the preset settings they override), else
+    # the preset's
+    try:
+        overrides = dict(parse_sets(set_ or []))  # the last --set of a key wins, as in resolve
+    except PresetError as exc:
+        fail(str(exc))
+    arm_names = _parse_algos(algos or overrides.get("algos") or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
+    if seeds is None and "seeds" in overrides:
+        try:
+            seeds = int(overrides["seeds"])
+        except ValueError:
+            seeds = 0
+        if seeds < 1:
+            fail(f"--set seeds={overrides['seeds']}: expected an integer >= 1")
     n_seeds = seeds or int(p.settings.get("seeds", 1))
     resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
     _check_device(next(iter(resolved.values())))
