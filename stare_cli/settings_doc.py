@@ -48,6 +48,13 @@ ALGO_SETTING_HELP = {
     "gain": "band gate: strength per unit of shortfall (1: full strength exactly at band_low)",
     "two_sided": "band gate: above band_high, push entropy down (mirrored selection)",
     "telemetry": "what each step logs: full (entropy, shares, Phi forecasts), entropy (batch entropy only) or off",
+    "token_rule": "an entropy baseline's token rule, once per step over the whole batch: none, clip-cov, kl-cov or "
+                  "80-20 (80-20 keeps the top top_ratio tokens by entropy)",
+    "clip_ratio": "clip-cov: share of the response tokens whose gradient is dropped (random among the candidates)",
+    "cov_low": "clip-cov: candidates have a log-prob/advantage covariance above this",
+    "cov_high": "clip-cov: candidates have a log-prob/advantage covariance below this",
+    "k_ratio": "kl-cov: share of the response tokens, the top ones by covariance, that get the |log-ratio| penalty",
+    "kl_coef": "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is unclipped)",
 }
 
 # One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu).

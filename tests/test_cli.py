@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from stare.algorithms import ALGORITHMS
 from stare.cli.main import app
 from stare.cli.presets import PresetError, parse_preset, preset_names, resolve
 
@@ -27,6 +28,15 @@ def test_version_and_help():
     assert res.exit_code == 0
     for cmd in ("presets", "algos", "train"):
         assert cmd in res.output
+
+
+def test_algos_lists_every_algorithm_with_the_entropy_baselines_and_their_papers():
+    res = runner.invoke(app, ["algos"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") == 3}
+    assert [n for n in rows if n in ALGORITHMS] == list(ALGORITHMS)
+    assert {"clip-cov", "kl-cov", "80-20"} <= set(rows)
+    assert "Cui et al." in rows["clip-cov"] and "Cui et al." in rows["kl-cov"] and "Wang et al." in rows["80-20"]
 
 
 def test_presets_lists_every_yaml_with_description():

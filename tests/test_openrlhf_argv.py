@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import sys
 
@@ -64,9 +65,12 @@ def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
         args = parse_with_openrlhf(plan["openrlhf_argv"], monkeypatch)
         cfg = resolved["algo"]
         s = resolved["settings"]
-        # the settings arrive where OpenRLHF reads them
-        assert tuple(args.actor.eps_clip_low_high) == (cfg["clip_low"], cfg["clip_high"]), algo
-        assert args.actor.dual_clip == cfg["dual_clip"]
+        # the settings arrive where OpenRLHF reads them (kl-cov: no clip at all, its surrogate is -A r)
+        if cfg["token_rule"] == "kl-cov":
+            assert tuple(args.actor.eps_clip_low_high) == (math.inf, math.inf) and args.actor.dual_clip is None
+        else:
+            assert tuple(args.actor.eps_clip_low_high) == (cfg["clip_low"], cfg["clip_high"]), algo
+            assert args.actor.dual_clip == cfg["dual_clip"]
         assert args.algo.dynamic_filtering_enable == cfg["dynamic_sampling"]
         assert args.rollout.n_samples_per_prompt == s["samples_per_prompt"]
         assert args.rollout.batch_size == s["prompts_per_step"]
@@ -83,7 +87,7 @@ def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
             assert args.reward.remote_url == [str(orl.REWARD_FILE)]
         env = plan["ray"]["runtime_env"]["env_vars"]
         assert json.loads(env[SETTINGS_ENV])["algo"]["name"] == algo
-        assert bool(plan["stare"]) == cfg["stare"]
+        assert bool(plan["stare"]) == (cfg["stare"] or cfg["token_rule"] != "none")  # the plugin's settings
     capsys.readouterr()
 
 
@@ -181,3 +185,33 @@ def test_launch_refuses_missing_settings_and_missing_wandb_key(tmp_path):
     env = dict(plan["ray"]["runtime_env"]["env_vars"])
     with pytest.raises(orl.LaunchError, match="WANDB_API_KEY is not in the environment"):
         orl.launch(plan["openrlhf_argv"], environ=env)
+
+
+def test_the_baselines_dry_run_prints_the_plugins_settings_and_kl_cov_is_unclipped(tmp_path, monkeypatch):
+    import torch
+    from openrlhf.models import PolicyLoss
+
+    plans = {a: orl.plan(resolve("qwen-7b-short-cot", a), tmp_path / a) for a in ("clip-cov", "kl-cov", "80-20")}
+    assert plans["clip-cov"]["stare"] == {"name": "clip-cov", "token_rule": "clip-cov", "clip_ratio": 2e-4,
+                                          "cov_low": 1.0, "cov_high": 5.0, "telemetry": "full"}
+    assert plans["80-20"]["stare"] == {"name": "80-20", "token_rule": "80-20", "top_ratio": 0.2,
+                                       "telemetry": "full"}
+    kl = plans["kl-cov"]
+    assert kl["stare"]["token_rule"] == "kl-cov" and kl["stare"]["k_ratio"] == 2e-3
+    assert any("unclipped" in n for n in kl["notes"])
+    assert not any("unclipped" in n for n in plans["clip-cov"]["notes"] + plans["80-20"]["notes"])
+    # OpenRLHF's own PolicyLoss, built from what its parser makes of kl-cov's argv exactly as its ActorPPOTrainer
+    # builds it, is the unclipped surrogate -A r (token-mean), written out here; the DAPO-style clip would differ
+    args = parse_with_openrlhf(kl["openrlhf_argv"], monkeypatch)
+    loss_fn = PolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
+                         dual_clip=args.actor.dual_clip, token_level_loss=args.actor.loss_agg_mode == "token-mean",
+                         policy_loss_type=args.actor.policy_loss_type)
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(4, 6, generator=g) * 3, -torch.rand(4, 6, generator=g) * 3
+    adv, mask = torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g) > 0.2
+    loss, clip_ratio = loss_fn(logp, old, adv, action_mask=mask)[:2]
+    ratio = torch.exp(logp - old)
+    assert float(loss) == pytest.approx(float((-adv * ratio)[mask].mean()), rel=1e-6)
+    assert float(clip_ratio) == 0.0
+    clipped = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    assert float(clipped[mask].mean()) != pytest.approx(float(loss), rel=1e-3)
