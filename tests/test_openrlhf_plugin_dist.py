@@ -5,7 +5,9 @@ Two processes each build OpenRLHF 0.11.2's real ``ActorPPOTrainer`` with the plu
 test_openrlhf_plugin.py) and split the step's 8 samples unevenly. Checked: every rank runs the same number of
 forwards (ZeRO-3 lockstep) when they hold different numbers of samples; the all-reduced gate entropy and the
 telemetry equal the single-process numbers; global-scope weights equal those of one process holding
-everything; rows stashed by one rank's old-log-prob forward reach the rank that trains on the sample.
+everything; rows stashed by one rank's old-log-prob forward reach the rank that trains on the sample; the entropy
+baselines' token rules (telemetry off) select over both ranks what one process would (kl-cov, 80-20 exactly;
+clip-cov's random draw per rank takes the same number of candidates).
 """
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ def _worker(rank, world, port, out_dir):
         results = {}
         for name, sc in SCENARIOS.items():
             results[name] = _run(trainer, exp, sc["stash"][rank], sc["buffer"][rank])
+        results["baselines"] = {algo: _baseline_rows(mp, algo, BASELINE_SPLIT["stash"][rank],
+                                                     BASELINE_SPLIT["buffer"][rank]) for algo in BASELINES}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -223,3 +227,61 @@ def test_ring_attention_slices_are_gathered_like_openrlhfs_log_probs(tmp_path):
             ent_b, phi_b = got[r]["rows"][b]
             assert torch.allclose(torch.tensor(ent_b, dtype=torch.float64), h[b, :n], atol=1e-5), (r, b)
             assert torch.allclose(torch.tensor(phi_b, dtype=torch.float64), phi[b, :n], atol=1e-5), (r, b)
+
+
+# ---- the entropy baselines: their token rules over both ranks equal one process holding everything -------------
+
+BASELINES = {"kl-cov": {"k_ratio": 0.1, "kl_coef": 2.0}, "clip-cov": {"clip_ratio": 0.2, "cov_low": 0.0},
+             "80-20": {}}
+# OpenRLHF's chunking stashes 4 + 4 samples, dynamic batching re-deals them 5 + 3 (80-20's entropy travels)
+BASELINE_SPLIT = {"stash": ([0, 1, 2, 3], [4, 5, 6, 7]), "buffer": ([0, 1, 4, 5, 6], [2, 3, 7])}
+
+
+def _baseline_rows(mp, algo, stash, buffer):
+    """Telemetry off (the rules run anyway): (weights, coefficients) per sample index, and the metrics."""
+    base._settings_env(mp, algo, telemetry="off", **BASELINES[algo])
+    exp = base._experience(base._model())
+    trainer = base._install(base._trainer(mp, base._model(), base._args()))
+    if stash:
+        idx = torch.tensor(stash)
+        trainer.stare_old_log_probs(exp.sequences[idx], exp.action_mask[idx], exp.attention_mask[idx])
+    items = _items(exp)
+    trainer.replay_buffer.items = [items[i] for i in buffer]
+    metrics = trainer.stare_prepare_step()
+    weights = {buffer[u]: None if w is None else w.tolist() for u, (w, _) in trainer._stare_rows.items()}
+    coefs = {buffer[u]: c.tolist() for u, c in trainer._stare_penalty_rows.items()}
+    return {"weights": weights, "coefs": coefs, "metrics": metrics, "report": dict(trainer.stare_stash_report)}
+
+
+def test_baselines_select_over_both_ranks_as_one_process_would(two_ranks):
+    import test_openrlhf_baselines as bl
+
+    ranks = [two_ranks[r]["baselines"] for r in range(2)]
+    mp = pytest.MonkeyPatch()
+    try:
+        one = {algo: _baseline_rows(mp, algo, [], list(range(B))) for algo in BASELINES}
+    finally:
+        mp.undo()
+    both = {algo: {key: {**ranks[0][algo][key], **ranks[1][algo][key]} for key in ("weights", "coefs")}
+            for algo in BASELINES}
+    # kl-cov and 80-20 select exactly (a threshold over both ranks): the same tokens as one process
+    assert both["kl-cov"]["coefs"] == one["kl-cov"]["coefs"] and len(one["kl-cov"]["coefs"]) == B
+    assert any(c > 0 for row in one["kl-cov"]["coefs"].values() for c in row)
+    assert both["80-20"]["weights"] == one["80-20"]["weights"]
+    assert [r["80-20"]["report"]["exchanged"] for r in ranks] == [3, 2]  # the entropy rows travelled
+    # clip-cov draws per rank: the same number of tokens over both ranks as one process, all among the candidates
+    exp = base._experience(base._model())
+    cand = bl._clip_cov_candidates(exp, 0.0, 5.0)
+
+    def dropped(rows):
+        return {(i, t) for i, row in rows.items() for t, w in enumerate(row) if w == 0.0}
+
+    d_both, d_one = dropped(both["clip-cov"]["weights"]), dropped(one["clip-cov"]["weights"])
+    assert len(d_both) == len(d_one) == min(max(1, int(0.2 * int(exp.action_mask.sum()))), int(cand.sum()))
+    assert all(bool(cand[i, t]) for i, t in d_both)
+    for algo in BASELINES:
+        ref = one[algo]["metrics"]
+        assert set(ranks[0][algo]["metrics"]) == set(ranks[1][algo]["metrics"]) == set(ref), algo
+        for key, value in ref.items():
+            for r in ranks:
+                assert r[algo]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (algo, key)
