@@ -9,7 +9,9 @@ What goes where:
 - STARE's own settings (selection, W/M, controller, scope) have no OpenRLHF flag, and its parser rejects
   unknown flags, so they travel to the workers as JSON in the ``STARE_SETTINGS`` environment variable (set in
   the Ray runtime environment). Baselines get the same plugin with ``stare: false``: their loss is OpenRLHF's
-  own, and they log the same entropy telemetry, so curves compare like with like.
+  own, and they log the same entropy telemetry, so curves compare like with like. The entropy baselines
+  (clip-cov, kl-cov, 80-20) apply their token rule in the plugin; the dry run prints its settings under "stare".
+  KL-Cov's surrogate is unclipped: ``--actor.eps_clip_low_high inf inf`` and no ``--actor.dual_clip``.
 """
 from __future__ import annotations
 

@@ -26,6 +26,16 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
   advantage A, so the loss of A * w is exactly w times the loss of A for w > 0, with the same clip
   statistics: scaling the advantage is how the weight is applied, without re-implementing OpenRLHF's loss.
   Weights of None (gate off, or a baseline) call OpenRLHF's loss unchanged.
+- The entropy baselines (``cfg.token_rule``: clip-cov, kl-cov, 80-20) run ``stare_step`` every step whatever the
+  telemetry setting (80-20 reads the stashed entropy; Clip-Cov / KL-Cov with telemetry off read only log-probs
+  and advantages). Clip-Cov's and 80-20's 0/1 masks are weights like STARE's (A * 0 gives a token loss of 0 in
+  every branch, and the token stays in OpenRLHF's denominators, as in the local engine's ``policy_loss``).
+  Clip-Cov's random choice uses a generator per rank and step, seeded from ``--train.seed``, the rank and the
+  step count (saved with the controller state). KL-Cov: ``StarePolicyLoss`` is OpenRLHF's loss with clip range
+  (-inf, inf) and no dual clip (every clip branch inactive), plus ``c * |logp - old_logp|`` aggregated by
+  OpenRLHF's own ``aggregate_loss`` with the same arguments (token- or sequence-level, global counts), the
+  coefficients carried per sample like the weights. The IS-correction factor, when on, multiplies OpenRLHF's
+  term only.
 - Telemetry goes into the status dict ``fit`` returns, which OpenRLHF logs as ``train/<key>`` (W&B,
   TensorBoard): the names of ``stare.algorithms.METRICS``, from ``stare_step``, the block the local engine runs
   too (all but ``stare/entropy_change_same_batch``, which would cost a second forward over the buffer).
@@ -125,7 +135,8 @@ class StarePolicyLoss(PolicyLoss):
         if c is None:
             return out
         if c.shape != log_probs.shape:
-            raise ValueError(f"KL-Cov coefficients {tuple(c.shape)} do not match the log-probs {tuple(log_probs.shape)}")
+            raise ValueError(f"KL-Cov coefficients {tuple(c.shape)} do not match the log-probs "
+                             f"{tuple(log_probs.shape)}")
         # KL-Cov's term c * |log p - log p_old|, aggregated by OpenRLHF's own aggregate_loss with the arguments
         # its loss got (token- or sequence-level, global counts, dp_size): aggregation is linear in the
         # per-token loss, so this is the aggregate of (OpenRLHF's per-token loss + the term)
