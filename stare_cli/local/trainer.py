@@ -9,7 +9,10 @@ Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin mak
 4. the shuffled split into ``mini_batches`` mini-batches of micro-batches (``micro_batch_size`` sequences);
 5. ``stare_step`` (the block the OpenRLHF plugin runs too): the controller's update, once, from the batch's mean
    token entropy; the weights, once over the whole step's batch (``scope: global``) or inside each of the
-   micro-batches of 4. (``scope: micro_batch``); the ``stare/*`` telemetry;
+   micro-batches of 4. (``scope: micro_batch``); an entropy baseline's token rule instead (clip-cov and 80-20: a 0/1
+   mask as the weights; kl-cov: per-token penalty coefficients, with the unclipped surrogate; Clip-Cov draws from
+   its own generator, seeded from the seed and kept in checkpoints, so no other algorithm's streams move); the
+   ``stare/*`` telemetry;
 6. ``mini_batches`` optimizer steps of ``policy_loss``, each accumulated over micro-batches with the
    mini-batch's global token and sequence counts;
 7. one more no-grad pass over the same batch for ``stare/entropy_change_same_batch``; one JSON line in
