@@ -358,5 +358,5 @@ def _token_rule(cfg: AlgoConfig, logprobs, advantages, mask, stats: EntropyStats
         return clip_cov_weights(logprobs, advantages, mask, clip_ratio=cfg.clip_ratio, cov_low=cfg.cov_low,
                                 cov_high=cfg.cov_high, generator=generator, group=group), None
     if cfg.token_rule == "kl-cov":
-        return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_coef, group=group)
+        return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_cov_coef, group=group)
     return entropy_top_weights(stats.entropy, mask, top_ratio=cfg.top_ratio, group=group), None

@@ -288,7 +288,7 @@ def test_stare_step_runs_each_rule_once_over_the_batch(scope):
     logp, adv, mask, entropy = _batch(seed=8, B=8, T=12)
     stats = _stats(logp, entropy, mask)
     parts = [torch.arange(0, 3), torch.arange(3, 8)]
-    kl = get_algorithm("kl-cov", k_ratio=0.1, kl_coef=0.5, scope=scope)
+    kl = get_algorithm("kl-cov", k_ratio=0.1, kl_cov_coef=0.5, scope=scope)
     r = stare_step(None, kl, logp, adv, mask, stats, micro_batches=parts)
     assert r.weights is None and torch.equal(r.penalty, _brute_kl_cov(logp, adv, mask, 0.1, 0.5))
     top = get_algorithm("80-20", top_ratio=0.3, scope=scope)
