@@ -216,10 +216,10 @@ def stare_step(
       ``cfg.telemetry`` is not ``"full"`` and the algorithm does not select by Phi).
     - ``cfg.telemetry``: ``"full"`` logs every name in METRICS that applies; ``"entropy"`` and ``"off"`` log the
       controller's state, ``stare/entropy``, ``stare/tokens`` and the entropy change only (no Phi, no shares, no
-      weight-dependent all-reduce). The engines decide what to compute before this call (the OpenRLHF plugin
-      skips the whole step for a baseline with ``"off"``).
-    - ``controller``: ``cfg.make_controller()`` (None for a baseline, whose weights are always None); its state
-      advances by one step.
+      weight-dependent all-reduce). The engines decide what to compute before this call (``cfg.needs_entropy``;
+      a baseline without a token rule and with ``"off"`` needs no step at all).
+    - ``controller``: ``cfg.make_controller()`` (None for a baseline, whose weights are None unless it has a token
+      rule); its state advances by one step.
     - ``memory``: what the previous call returned as ``StepResult.memory`` (None or ``StepMemory()`` on the
       first step).
     - ``group``: a ``torch.distributed`` process group; every sum and the global selection are then exact over
