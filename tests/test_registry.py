@@ -57,7 +57,8 @@ def test_entropy_baselines_carry_the_papers_settings():
     assert clip.std_norm and clip.dynamic_sampling and not clip.overlong_shaping and not clip.stare
     assert not clip.unclipped and clip.make_controller() is None
     kl = get_algorithm("kl-cov")
-    assert (kl.token_rule, kl.k_ratio, kl.kl_cov_coef, kl.agg, kl.dual_clip) == ("kl-cov", 2e-3, 1.0, "token-mean", None)
+    assert (kl.token_rule, kl.k_ratio, kl.kl_cov_coef, kl.agg, kl.dual_clip) == \
+        ("kl-cov", 2e-3, 1.0, "token-mean", None)
     assert kl.unclipped and kl.std_norm and kl.dynamic_sampling and not kl.overlong_shaping
     top = get_algorithm("80-20")
     dapo = get_algorithm("dapo")
