@@ -189,9 +189,9 @@ def entropy_top_weights(entropy: torch.Tensor, mask: torch.Tensor, *, top_ratio:
     valid = mask.bool()
     check_finite(valid, entropy=entropy)
     values = entropy.detach().to(torch.float32)
-    n = _all_reduce(valid.sum().to(torch.int64), group)
-    k = top_count(top_ratio, int(n))
-    if k == 0:
-        return torch.where(valid, 0.0, 1.0).to(torch.float32) if int(n) > 0 else torch.ones_like(values)
+    n = int(_all_reduce(valid.sum().to(torch.int64), group))  # the one host read of the count
+    k = top_count(top_ratio, n)
+    if k == 0:  # no response token anywhere, or top_ratio 0: nothing kept
+        return torch.where(valid, 0.0, 1.0).to(torch.float32)
     threshold = kth_largest(values[valid], k, group)
     return torch.where(valid & (values < threshold), 0.0, 1.0).to(torch.float32)

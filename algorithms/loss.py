@@ -88,8 +88,8 @@ def policy_loss(
         check_range("norm_len", norm_len, 0, None, low_open=True)
     if should_validate(validate, logprobs, old_logprobs, advantages, weights, penalty):
         where = mask.bool()
-        check_finite(where, logprobs=logprobs.detach(), old_logprobs=old_logprobs, advantages=advantages, weights=weights,
-                     penalty=penalty)
+        check_finite(where, logprobs=logprobs.detach(), old_logprobs=old_logprobs, advantages=advantages,
+                     weights=weights, penalty=penalty)
         if penalty is not None and bool(((penalty < 0) & where).any()):
             raise ValueError("penalty holds negative coefficient(s); it must be >= 0 on the response tokens")
 

@@ -68,7 +68,8 @@ class AlgoConfig:
     cov_low: float = 1.0  # clip-cov: candidates have covariance strictly inside (cov_low, cov_high)
     cov_high: float = 5.0
     k_ratio: float = 2e-3  # kl-cov: share of the response tokens that get the |log-ratio| penalty
-    kl_coef: float = 1.0  # kl-cov: the penalty's coefficient
+    # kl-cov: the penalty's coefficient (not "kl_coef": that is the GPU presets' reference-KL run setting)
+    kl_cov_coef: float = 1.0
 
     def validate(self) -> "AlgoConfig":
         check_range("clip_low", self.clip_low, 0, 1)  # 1: no clip below (the ratio is > 0)
@@ -93,7 +94,7 @@ class AlgoConfig:
         check_range("cov_low", self.cov_low, None, None)
         check_range("cov_high", self.cov_high, self.cov_low, None, low_open=True)
         check_range("k_ratio", self.k_ratio, 0, 1, low_open=True)
-        check_range("kl_coef", self.kl_coef, 0, None)
+        check_range("kl_cov_coef", self.kl_cov_coef, 0, None)
         if self.token_rule == "80-20":
             check_range("top_ratio", self.top_ratio, 0, 1, low_open=True)
         if self.stare and self.token_rule != "none":

@@ -15,7 +15,7 @@ call it, so the two log the same numbers under the same names. In order:
    for an entropy baseline (``cfg.token_rule`` clip-cov, kl-cov, 80-20; ``baselines.py``) its token rule instead,
    always once over the whole step's batch and whatever the telemetry setting: a 0/1 weight mask (clip-cov,
    80-20) or per-token penalty coefficients (kl-cov);
-4. the weight-dependent telemetry (one more all-reduce and host read, only when there are weights);
+4. the weight-dependent telemetry (one more all-reduce and host read, only when there are weights or a penalty);
 5. the measured change of the batch entropy since the previous step, beside what that step forecast
    (``StepMemory`` carries the previous step's two numbers).
 
@@ -39,9 +39,9 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ._checks import broadcast_advantages, check_same_shape
+from .baselines import clip_cov_weights, entropy_top_weights, kl_cov_coefs
 from .controllers import ControllerState
 from .entropy import EntropyStats, entropy_forecast_sums, quadrant_sums
-from .baselines import clip_cov_weights, entropy_top_weights, kl_cov_coefs
 from .registry import AlgoConfig
 from .selection import reweight_sums, stare_token_weights
 
@@ -216,10 +216,10 @@ def stare_step(
       ``cfg.telemetry`` is not ``"full"`` and the algorithm does not select by Phi).
     - ``cfg.telemetry``: ``"full"`` logs every name in METRICS that applies; ``"entropy"`` and ``"off"`` log the
       controller's state, ``stare/entropy``, ``stare/tokens`` and the entropy change only (no Phi, no shares, no
-      weight-dependent all-reduce). The engines decide what to compute before this call (the OpenRLHF plugin
-      skips the whole step for a baseline with ``"off"``).
-    - ``controller``: ``cfg.make_controller()`` (None for a baseline, whose weights are always None); its state
-      advances by one step.
+      weight-dependent all-reduce). The engines decide what to compute before this call (``cfg.needs_entropy``;
+      a baseline without a token rule and with ``"off"`` needs no step at all).
+    - ``controller``: ``cfg.make_controller()`` (None for a baseline, whose weights are None unless it has a token
+      rule); its state advances by one step.
     - ``memory``: what the previous call returned as ``StepResult.memory`` (None or ``StepMemory()`` on the
       first step).
     - ``group``: a ``torch.distributed`` process group; every sum and the global selection are then exact over
@@ -239,11 +239,12 @@ def stare_step(
 
     Returns ``StepResult(weights [B, T] float32 or None, metrics {name: float} with names from METRICS, the
     controller's state or None, the StepMemory for the next step, penalty [B, T] float32 or None)``: clip-cov and
-    80-20 return their 0/1 mask as ``weights``, kl-cov its coefficients as ``penalty`` (weights None). Host reads: one for the batch entropy (with
-    the weight-independent telemetry), the selection's own (gate on only), and one for the weight-dependent
-    telemetry (when there are weights). Raises ``ValueError`` for mismatched shapes, a controller that does not
-    match ``cfg`` or micro-batches that are not a partition of the rows; ``FloatingPointError`` when the batch
-    entropy is not finite.
+    80-20 return their 0/1 mask as ``weights``, kl-cov its coefficients as ``penalty`` (weights None). Host reads:
+    one for the batch entropy (with the weight-independent telemetry), the selection's or token rule's own (STARE:
+    gate on only), and one for the weight-dependent telemetry (when there are weights or a penalty). Raises
+    ``ValueError`` for mismatched shapes, a controller that does not match ``cfg``, micro-batches that are not a
+    partition of the rows or a missing entropy the algorithm needs; ``FloatingPointError`` when the batch entropy is
+    not finite.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
@@ -358,5 +359,5 @@ def _token_rule(cfg: AlgoConfig, logprobs, advantages, mask, stats: EntropyStats
         return clip_cov_weights(logprobs, advantages, mask, clip_ratio=cfg.clip_ratio, cov_low=cfg.cov_low,
                                 cov_high=cfg.cov_high, generator=generator, group=group), None
     if cfg.token_rule == "kl-cov":
-        return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_coef, group=group)
+        return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_cov_coef, group=group)
     return entropy_top_weights(stats.entropy, mask, top_ratio=cfg.top_ratio, group=group), None

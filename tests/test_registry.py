@@ -57,7 +57,8 @@ def test_entropy_baselines_carry_the_papers_settings():
     assert clip.std_norm and clip.dynamic_sampling and not clip.overlong_shaping and not clip.stare
     assert not clip.unclipped and clip.make_controller() is None
     kl = get_algorithm("kl-cov")
-    assert (kl.token_rule, kl.k_ratio, kl.kl_coef, kl.agg, kl.dual_clip) == ("kl-cov", 2e-3, 1.0, "token-mean", None)
+    assert (kl.token_rule, kl.k_ratio, kl.kl_cov_coef, kl.agg, kl.dual_clip) == \
+        ("kl-cov", 2e-3, 1.0, "token-mean", None)
     assert kl.unclipped and kl.std_norm and kl.dynamic_sampling and not kl.overlong_shaping
     top = get_algorithm("80-20")
     dapo = get_algorithm("dapo")
@@ -89,7 +90,7 @@ def test_needs_entropy():
     (dict(cov_high=0.5), "cov_high must be in \\(1.0, inf\\], got 0.5"),
     (dict(cov_low=float("nan")), "cov_low must be a number, got nan"),
     (dict(k_ratio=0.0), "k_ratio must be in \\(0, 1\\], got 0.0"),
-    (dict(kl_coef=-1.0), "kl_coef must be in \\[0, inf\\], got -1.0"),
+    (dict(kl_cov_coef=-1.0), "kl_cov_coef must be in \\[0, inf\\], got -1.0"),
     (dict(clip_low=1.5), "clip_low must be in \\[0, 1\\], got 1.5"),
 ])
 def test_baseline_settings_are_validated(overrides, message):
@@ -103,3 +104,19 @@ def test_token_rules_are_exclusive_with_stare_and_80_20_needs_a_share():
     with pytest.raises(ValueError, match="top_ratio must be in \\(0, 1\\], got 0.0"):
         get_algorithm("80-20", top_ratio=0.0)
     assert get_algorithm("grpo", token_rule="80-20", top_ratio=0.5).top_ratio == 0.5
+
+
+def test_no_algorithm_setting_shadows_a_run_setting():
+    """`--set key=value` must mean one thing: the presets reject a run setting named like an algorithm setting (the
+    GPU presets' `kl_coef` is OpenRLHF's reference-model KL, hence KL-Cov's `kl_cov_coef`)."""
+    from pathlib import Path
+
+    import yaml
+
+    from stare.algorithms import SETTING_NAMES
+    from stare.cli.openrlhf_backend.argv import SCHEMA
+
+    run_keys = set(SCHEMA)
+    for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"):
+        run_keys |= set(yaml.safe_load(path.read_text()).get("settings") or {})
+    assert "kl_coef" in run_keys and not set(SETTING_NAMES) & run_keys, set(SETTING_NAMES) & run_keys
