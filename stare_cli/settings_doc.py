@@ -54,7 +54,7 @@ ALGO_SETTING_HELP = {
     "cov_low": "clip-cov: candidates have a log-prob/advantage covariance above this",
     "cov_high": "clip-cov: candidates have a log-prob/advantage covariance below this",
     "k_ratio": "kl-cov: share of the response tokens, the top ones by covariance, that get the |log-ratio| penalty",
-    "kl_coef": "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is unclipped)",
+    "kl_cov_coef": "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is unclipped)",
 }
 
 # One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu).

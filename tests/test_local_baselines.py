@@ -55,7 +55,7 @@ def _one_step(algo, run_dir, warm, monkeypatch, *sets):
 
 
 def test_kl_cov_loss_is_unclipped_surrogate_plus_the_penalty(tmp_path, warm, monkeypatch):
-    t, rec, steps, losses = _one_step("kl-cov", tmp_path / "kl", warm, monkeypatch, "k_ratio=0.1", "kl_coef=2.0")
+    t, rec, steps, losses = _one_step("kl-cov", tmp_path / "kl", warm, monkeypatch, "k_ratio=0.1", "kl_cov_coef=2.0")
     [(gen, micros, step)] = steps
     assert gen is None and step.weights is None and step.penalty is not None
     order = torch.cat(micros)

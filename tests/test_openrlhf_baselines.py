@@ -155,12 +155,12 @@ def test_kl_cov_is_openrlhfs_unclipped_loss_plus_the_penalty_aggregated_like_it(
     expected, k = _kl_cov_coefs(exp, 0.1, 2.0)
     assert k >= 4
     model, trainer, status, rows, coefs = _run_step(monkeypatch, "kl-cov", agg, exp, telemetry="off",
-                                                   k_ratio=0.1, kl_coef=2.0)
+                                                   k_ratio=0.1, kl_cov_coef=2.0)
     # the loss OpenRLHF runs: its own, every clip branch off
     loss_fn = trainer.actor_loss_fn
     assert (loss_fn.clip_eps_low, loss_fn.clip_eps_high, loss_fn.dual_clip) == (math.inf, math.inf, None)
     assert loss_fn.token_level_loss == (agg == "token-mean")
-    # the coefficients: kl_coef on the top k tokens by covariance (brute force), 0 elsewhere; no weights
+    # the coefficients: kl_cov_coef on the top k tokens by covariance (brute force), 0 elsewhere; no weights
     assert torch.equal(_full(coefs, 0.0), expected)
     assert all(w is None for w in rows.values())
     g = base._grads(model)

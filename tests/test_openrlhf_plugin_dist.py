@@ -231,7 +231,7 @@ def test_ring_attention_slices_are_gathered_like_openrlhfs_log_probs(tmp_path):
 
 # ---- the entropy baselines: their token rules over both ranks equal one process holding everything -------------
 
-BASELINES = {"kl-cov": {"k_ratio": 0.1, "kl_coef": 2.0}, "clip-cov": {"clip_ratio": 0.2, "cov_low": 0.0},
+BASELINES = {"kl-cov": {"k_ratio": 0.1, "kl_cov_coef": 2.0}, "clip-cov": {"clip_ratio": 0.2, "cov_low": 0.0},
              "80-20": {}}
 # OpenRLHF's chunking stashes 4 + 4 samples, dynamic batching re-deals them 5 + 3 (80-20's entropy travels)
 BASELINE_SPLIT = {"stash": ([0, 1, 2, 3], [4, 5, 6, 7]), "buffer": ([0, 1, 4, 5, 6], [2, 3, 7])}

@@ -78,7 +78,7 @@ AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-
 
 # The entropy baselines' token rules (stare.algorithms' TOKEN_RULES other than "none") -> the settings the plugin
 # reads for each, printed by the dry run under "stare".
-RULE_SETTINGS = {"clip-cov": ("clip_ratio", "cov_low", "cov_high"), "kl-cov": ("k_ratio", "kl_coef"),
+RULE_SETTINGS = {"clip-cov": ("clip_ratio", "cov_low", "cov_high"), "kl-cov": ("k_ratio", "kl_cov_coef"),
                  "80-20": ("top_ratio",)}
 
 
