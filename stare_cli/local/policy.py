@@ -109,19 +109,26 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None) -> Rollout:
-    """Sample one response per prompt row (repeat rows for G samples), with a KV cache, on the prompts' device
-    (``generator`` must be on that device too)."""
+           temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
+           repeats: int = 1) -> Rollout:
+    """Sample ``repeats`` responses per prompt row (rows ``i * repeats`` .. ``(i + 1) * repeats - 1`` of the rollout
+    answer prompt ``i``), with a KV cache, on the prompts' device (``generator`` must be on that device too).
+
+    The prompts are read once (the prefill runs on the distinct prompts, then its cache is repeated), and the prefill
+    projects only its last position onto the vocabulary (``logits_to_keep=1``): the others predict prompt tokens,
+    which nothing reads. Passing repeated rows with ``repeats=1`` samples the same way, with a longer prefill."""
     from transformers import DynamicCache
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=_positions(prompt_mask),
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if repeats != 1:
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
+        cache.batch_repeat_interleave(repeats)
+        out.logits = out.logits.repeat_interleave(repeats, 0)
     B, P = prompt_ids.shape
     attn = prompt_mask.clone()
-    cache = DynamicCache()
-    # the prefill projects only its last position onto the vocabulary (logits_to_keep=1): the others predict prompt
-    # tokens, which nothing reads
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=_positions(attn), past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
     next_pos = attn.sum(-1, keepdim=True)
     tokens = []
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)

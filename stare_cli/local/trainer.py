@@ -153,7 +153,7 @@ class LocalTrainer:
             ids, attn = encode_prompts(self.tokenizer, [p.prompt for p in problems], chat=self.chat,
                                        device=self.device)
             self.model.eval()
-            r = sample(self.model, self.tokenizer, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0),
+            r = sample(self.model, self.tokenizer, ids, attn, repeats=G,  # row i * G + j: prompt i's sample j
                        max_new_tokens=self.s["max_new_tokens"], temperature=self.s["temperature"],
                        generator=self.gen)
             self.model.train()
