@@ -6,6 +6,10 @@ One token's loss (section 2 of docs/algorithm.md):
     loss_t = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
     loss_t = min(loss_t, -A c)        for A < 0, with dual clip c > 1
     loss_t = weight_t * loss_t        STARE's token weights (1 where unset)
+    loss_t = loss_t + c_t |logp - old_logp|   with ``penalty`` c (KL-Cov's coefficients; absent where unset)
+
+``clip=False`` replaces the two clipped lines by the plain surrogate ``-A rho`` (no clip, no dual clip), as KL-Cov
+uses it.
 
 Aggregation divides by token or sequence counts. Give ``num_tokens`` / ``num_seqs`` as the counts of the
 whole step (all micro-batches, all data-parallel ranks) and each micro-batch's loss becomes its share of the
@@ -47,6 +51,8 @@ def policy_loss(
     num_seqs: int | float | torch.Tensor | None = None,
     norm_len: int | None = None,
     validate: bool | None = None,
+    penalty: torch.Tensor | None = None,
+    clip: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss over ``[B, T]`` token tensors; returns ``(loss, metrics)``.
 
@@ -59,6 +65,10 @@ def policy_loss(
       ``B``). ``norm_len`` (Dr.GRPO's constant) defaults to ``T``; pass the maximum response length so
       that it does not depend on padding.
     - ``validate``: check for NaN/inf; ``None`` checks CPU tensors only (no device synchronisation).
+    - ``penalty``: ``[B, T]`` per-token coefficients c >= 0 (KL-Cov's ``kl_cov_coefs``); each token's loss gains
+      ``c * |logp - old_logp|`` (not multiplied by ``weights``; the same aggregation). ``None``: no term.
+    - ``clip``: ``False`` gives the unclipped surrogate ``-A rho`` for every token (no clip, no dual clip; the
+      clip metrics are then 0). The defaults (``penalty=None, clip=True``) give exactly the loss without them.
 
     ``metrics``: ``clip_frac_low`` (A < 0 tokens held at 1 - clip_low), ``clip_frac_high`` (A > 0 tokens
     held at 1 + clip_high), ``dual_clip_frac``, ``approx_kl`` (k3 estimator of KL(old || new)) and
@@ -67,18 +77,21 @@ def policy_loss(
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
-    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, mask=mask, weights=weights)
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, mask=mask, weights=weights, penalty=penalty)
     advantages = broadcast_advantages(advantages, logprobs)
     check_choice("aggregation", agg, AGGREGATIONS)
-    check_range("clip_low", clip_low, 0, 1, high_open=True)
+    check_range("clip_low", clip_low, 0, 1)
     check_range("clip_high", clip_high, 0, None)
     if dual_clip is not None:
         check_range("dual_clip", dual_clip, 1, None, low_open=True)
     if norm_len is not None:
         check_range("norm_len", norm_len, 0, None, low_open=True)
-    if should_validate(validate, logprobs, old_logprobs, advantages, weights):
+    if should_validate(validate, logprobs, old_logprobs, advantages, weights, penalty):
         where = mask.bool()
-        check_finite(where, logprobs=logprobs.detach(), old_logprobs=old_logprobs, advantages=advantages, weights=weights)
+        check_finite(where, logprobs=logprobs.detach(), old_logprobs=old_logprobs, advantages=advantages,
+                     weights=weights, penalty=penalty)
+        if penalty is not None and bool(((penalty < 0) & where).any()):
+            raise ValueError("penalty holds negative coefficient(s); it must be >= 0 on the response tokens")
 
     valid = mask.bool()
     mask_f = mask.to(logprobs.dtype)
@@ -87,10 +100,13 @@ def policy_loss(
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_loss = torch.maximum(unclipped, clipped)
     neg = advantages < 0
-    if dual_clip is not None:
+    if not clip:
+        token_loss = unclipped
+    else:
+        clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        token_loss = torch.maximum(unclipped, clipped)
+    if clip and dual_clip is not None:
         cap = -advantages * dual_clip
         dual_hit = neg & (token_loss > cap)
         token_loss = torch.where(neg, torch.minimum(token_loss, cap), token_loss)
@@ -99,6 +115,9 @@ def policy_loss(
     # the weights ride on the mask: one multiply applies both (padding selected to 0, so NaN cannot leak)
     loss_mask = mask_f if weights is None else torch.where(valid, weights.to(token_loss.dtype), 0.0)
     masked_loss = token_loss * loss_mask
+    if penalty is not None:  # c |logp - old_logp| (unclamped), padding selected to 0
+        abs_diff = torch.where(valid, logprobs - old_logprobs, 0.0).abs()
+        masked_loss = masked_loss + torch.where(valid, penalty.to(token_loss.dtype), 0.0) * abs_diff
 
     if num_tokens is None:
         num_tokens = mask_f.sum()
@@ -120,9 +139,10 @@ def policy_loss(
             return (flags.to(mask_f.dtype) * mask_f).sum() / denom
 
         r = ratio.detach()
+        held = torch.ones_like(neg) if clip else torch.zeros_like(neg)  # clip=False: nothing is held
         metrics = {
-            "clip_frac_low": frac(neg & (r < 1.0 - clip_low)),
-            "clip_frac_high": frac((advantages > 0) & (r > 1.0 + clip_high)),
+            "clip_frac_low": frac(held & neg & (r < 1.0 - clip_low)),
+            "clip_frac_high": frac(held & (advantages > 0) & (r > 1.0 + clip_high)),
             "dual_clip_frac": frac(dual_hit),
             "approx_kl": ((r - 1.0 - log_ratio.detach()) * mask_f).sum() / denom,
             "weight_mean": loss_mask.sum() / denom,

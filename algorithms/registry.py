@@ -12,6 +12,10 @@ from .controllers import BandGate, PaperGate
 from .loss import AGGREGATIONS
 from .selection import SELECTIONS, VARIANTS
 
+# The token rules of the entropy baselines (algorithms/baselines.py), computed once per step over the whole batch:
+# none, clip-cov (drop the gradient of a few high-covariance tokens), kl-cov (|log-ratio| penalty on the top
+# covariance tokens, unclipped surrogate), 80-20 (gradient through the top top_ratio tokens by entropy only).
+TOKEN_RULES = ("none", "clip-cov", "kl-cov", "80-20")
 CONTROLLERS = ("paper", "band")
 SCOPES = ("global", "micro_batch")
 # What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
@@ -58,9 +62,17 @@ class AlgoConfig:
     gain: float = 1.0
     two_sided: bool = False
     telemetry: str = "full"  # one of TELEMETRY (baselines too)
+    # the entropy baselines' token rule (one of TOKEN_RULES; 80-20 reuses top_ratio)
+    token_rule: str = "none"
+    clip_ratio: float = 2e-4  # clip-cov: share of the response tokens whose gradient is dropped
+    cov_low: float = 1.0  # clip-cov: candidates have covariance strictly inside (cov_low, cov_high)
+    cov_high: float = 5.0
+    k_ratio: float = 2e-3  # kl-cov: share of the response tokens that get the |log-ratio| penalty
+    # kl-cov: the penalty's coefficient (not "kl_coef": that is the GPU presets' reference-KL run setting)
+    kl_cov_coef: float = 1.0
 
     def validate(self) -> "AlgoConfig":
-        check_range("clip_low", self.clip_low, 0, 1, high_open=True)
+        check_range("clip_low", self.clip_low, 0, 1)  # 1: no clip below (the ratio is > 0)
         check_range("clip_high", self.clip_high, 0, None)
         if self.dual_clip is not None:
             check_range("dual_clip", self.dual_clip, 1, None, low_open=True)
@@ -77,6 +89,17 @@ class AlgoConfig:
         check_range("damp", self.damp, 0, None, low_open=True)
         if self.phi_cap is not None:
             check_range("phi_cap", self.phi_cap, 0, 1)
+        check_choice("token_rule", self.token_rule, TOKEN_RULES)
+        check_range("clip_ratio", self.clip_ratio, 0, 1, low_open=True)
+        check_range("cov_low", self.cov_low, None, None)
+        check_range("cov_high", self.cov_high, self.cov_low, None, low_open=True)
+        check_range("k_ratio", self.k_ratio, 0, 1, low_open=True)
+        check_range("kl_cov_coef", self.kl_cov_coef, 0, None)
+        if self.token_rule == "80-20":
+            check_range("top_ratio", self.top_ratio, 0, 1, low_open=True)
+        if self.stare and self.token_rule != "none":
+            raise ValueError(f"token_rule {self.token_rule!r} is a baseline's rule and cannot be combined with stare; "
+                             "set token_rule to none or stare to false")
         if self.stare:
             self.make_controller()  # the controller validates W, M, target and band
         return self
@@ -100,6 +123,17 @@ class AlgoConfig:
     def needs_phi(self) -> bool:
         return self.stare and (self.selection == "phi" or self.damp != 1.0)
 
+    @property
+    def unclipped(self) -> bool:
+        """True when the surrogate is -A r for every token (no clip, no dual clip): kl-cov."""
+        return self.token_rule == "kl-cov"
+
+    @property
+    def needs_entropy(self) -> bool:
+        """True when the engine must compute the old policy's per-token entropy: STARE's gate, 80-20's
+        selection, or any telemetry beyond "off"."""
+        return self.stare or self.token_rule == "80-20" or self.telemetry != "off"
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -107,6 +141,9 @@ class AlgoConfig:
 SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
 
 _DAPO_BASE = dict(clip_low=0.2, clip_high=0.28, dual_clip=10.0, agg="token-mean", dynamic_sampling=True)
+# Clip-Cov / KL-Cov as the entropy paper's scripts (verl recipe/entropy, 7B): GRPO advantages, token-mean, group
+# filtering (dynamic sampling), no overlong shaping; their loss functions apply no dual clip.
+_COV_BASE = dict(dual_clip=None, agg="token-mean", dynamic_sampling=True)
 
 ALGORITHMS: dict[str, AlgoConfig] = {
     cfg.name: cfg
@@ -125,6 +162,16 @@ ALGORITHMS: dict[str, AlgoConfig] = {
                    "damping 0.2, band gate 0.30-0.45", stare=True, selection="phi", variant="C2", w=2.0, m=0.05,
                    damp=0.2,
                    controller="band", band_low=0.3, band_high=0.45, **_DAPO_BASE),
+        AlgoConfig("clip-cov", "Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs): drop the "
+                   "gradient of a random 2e-4 share of the tokens with log-prob/advantage covariance in (1, 5); "
+                   "clip 1/1, token-mean, dynamic sampling", token_rule="clip-cov", **_COV_BASE,
+                   clip_low=1.0, clip_high=1.0),
+        AlgoConfig("kl-cov", "KL-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs): unclipped "
+                   "surrogate, |log-ratio| penalty (coef 1) on the top 2e-3 tokens by covariance; token-mean, "
+                   "dynamic sampling", token_rule="kl-cov", **_COV_BASE, clip_low=0.2, clip_high=0.2),
+        AlgoConfig("80-20", "80/20 (Wang et al. 2025, Beyond the 80/20 Rule): policy gradient only through the top "
+                   "20% tokens by entropy, on DAPO's settings", token_rule="80-20", top_ratio=0.2,
+                   overlong_shaping=True, **_DAPO_BASE),
     )
 }
 

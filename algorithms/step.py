@@ -12,7 +12,10 @@ call it, so the two log the same numbers under the same names. In order:
 3. the weights (gate on only): ``stare_token_weights`` once over the whole step's batch, exact across ranks
    (``scope="global"``), or separately inside each micro-batch the engine will train on (``scope="micro_batch"``,
    the reference implementation's rule; the engine passes its micro-batches, or selects inside them later);
-4. the weight-dependent telemetry (one more all-reduce and host read, only when there are weights);
+   for an entropy baseline (``cfg.token_rule`` clip-cov, kl-cov, 80-20; ``baselines.py``) its token rule instead,
+   always once over the whole step's batch and whatever the telemetry setting: a 0/1 weight mask (clip-cov,
+   80-20) or per-token penalty coefficients (kl-cov);
+4. the weight-dependent telemetry (one more all-reduce and host read, only when there are weights or a penalty);
 5. the measured change of the batch entropy since the previous step, beside what that step forecast
    (``StepMemory`` carries the previous step's two numbers).
 
@@ -36,6 +39,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ._checks import broadcast_advantages, check_same_shape
+from .baselines import clip_cov_weights, entropy_top_weights, kl_cov_coefs
 from .controllers import ControllerState
 from .entropy import EntropyStats, entropy_forecast_sums, quadrant_sums
 from .registry import AlgoConfig
@@ -67,7 +71,14 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("stare/positive_reweight_ratio", "share of the A > 0 response tokens whose weight is not 1"),
     ("stare/negative_reweight_ratio", "share of the A < 0 response tokens whose weight is not 1"),
     ("stare/mean_weight", "mean weight over the response tokens (1 with the gate off or for a baseline)"),
-    ("stare/boosted_raise_share", "of the A > 0 tokens with weight > 1, the share with Phi > 0 (absent when none)"),
+    ("stare/boosted_phi_pos_share", "of the response tokens with weight > 1, the share with Phi > 0 (absent when "
+     "none): does the selection hit entropy-raising tokens?"),
+    ("stare/lowered_phi_pos_share", "of the response tokens with weight < 1 or a KL-Cov penalty > 0, the share with "
+     "Phi > 0 (absent when none)"),
+    ("stare/masked_share", "share of the response tokens whose weight is 0 (clip-cov, 80-20; 0 for the other "
+     "algorithms)"),
+    ("stare/penalised_share", "kl-cov: share of the response tokens with a penalty coefficient > 0 (absent for the "
+     "other algorithms)"),
     ("stare/micro_batch_mean_weight", "OpenRLHF plugin, scope micro_batch only: each micro-batch's mean weight, "
      "averaged over the micro-batches by OpenRLHF's status reduction (weighted by their tokens)"),
     # the four quadrants (advantage sign x surprisal above / not above the position's entropy)
@@ -82,8 +93,10 @@ METRICS: tuple[tuple[str, str], ...] = (
 )
 METRIC_NAMES: tuple[str, ...] = tuple(name for name, _ in METRICS)
 
-# What local runs before the shared step wrote -> the name now. Their ``entropy_change`` was the same-batch change.
+# What older runs wrote -> the name now. Local runs before the shared step: ``entropy``, ``quadrant/*``, ... (their
+# ``entropy_change`` was the same-batch change); both engines before issue 14: ``stare/boosted_raise_share``.
 LEGACY_NAMES: dict[str, str] = {
+    "stare/boosted_raise_share": "stare/boosted_phi_pos_share",
     "entropy": "stare/entropy",
     "entropy_change": "stare/entropy_change_same_batch",
     "entropy_forecast": "stare/entropy_forecast",
@@ -136,6 +149,7 @@ class StepResult(NamedTuple):
     metrics: dict[str, float]  # names from METRICS
     state: ControllerState | None  # the controller's decision (None for a baseline)
     memory: StepMemory  # to pass to the next step
+    penalty: torch.Tensor | None = None  # [B, T] float32 KL-Cov coefficients for policy_loss(penalty=); kl-cov only
 
 
 def _reduce(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], group) -> tuple[dict[str, float], dict[str, float]]:
@@ -187,6 +201,7 @@ def stare_step(
     memory: StepMemory | None = None,
     group=None,
     micro_batches: Sequence[torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
 ) -> StepResult:
     """Once per RL step: batch entropy, the controller's update, the weights and the telemetry.
 
@@ -201,10 +216,10 @@ def stare_step(
       ``cfg.telemetry`` is not ``"full"`` and the algorithm does not select by Phi).
     - ``cfg.telemetry``: ``"full"`` logs every name in METRICS that applies; ``"entropy"`` and ``"off"`` log the
       controller's state, ``stare/entropy``, ``stare/tokens`` and the entropy change only (no Phi, no shares, no
-      weight-dependent all-reduce). The engines decide what to compute before this call (the OpenRLHF plugin
-      skips the whole step for a baseline with ``"off"``).
-    - ``controller``: ``cfg.make_controller()`` (None for a baseline, whose weights are always None); its state
-      advances by one step.
+      weight-dependent all-reduce). The engines decide what to compute before this call (``cfg.needs_entropy``;
+      a baseline without a token rule and with ``"off"`` needs no step at all).
+    - ``controller``: ``cfg.make_controller()`` (None for a baseline, whose weights are None unless it has a token
+      rule); its state advances by one step.
     - ``memory``: what the previous call returned as ``StepResult.memory`` (None or ``StepMemory()`` on the
       first step).
     - ``group``: a ``torch.distributed`` process group; every sum and the global selection are then exact over
@@ -215,13 +230,21 @@ def stare_step(
       the weights are None and the engine selects inside its micro-batches later (the OpenRLHF plugin, whose
       micro-batches are drawn after this call); the weight-dependent telemetry is then absent. Ignored with
       ``scope == "global"``.
+    - ``generator``: clip-cov's random keys come from it (the engine's own generator, touched by nothing else;
+      None: torch's global generator). No other algorithm draws random numbers here.
+    - ``cfg.token_rule`` (clip-cov, kl-cov, 80-20): the rule runs once over the whole step's batch (``scope`` is
+      ignored), exact across ``group``'s ranks, whatever ``cfg.telemetry`` says. ``stats.entropy`` may be None
+      when ``cfg.needs_entropy`` is False (clip-cov / kl-cov with telemetry off); the step then logs
+      ``stare/tokens`` only.
 
     Returns ``StepResult(weights [B, T] float32 or None, metrics {name: float} with names from METRICS, the
-    controller's state or None, the StepMemory for the next step)``. Host reads: one for the batch entropy (with
-    the weight-independent telemetry), the selection's own (gate on only), and one for the weight-dependent
-    telemetry (when there are weights). Raises ``ValueError`` for mismatched shapes, a controller that does not
-    match ``cfg`` or micro-batches that are not a partition of the rows; ``FloatingPointError`` when the batch
-    entropy is not finite.
+    controller's state or None, the StepMemory for the next step, penalty [B, T] float32 or None)``: clip-cov and
+    80-20 return their 0/1 mask as ``weights``, kl-cov its coefficients as ``penalty`` (weights None). Host reads:
+    one for the batch entropy (with the weight-independent telemetry), the selection's or token rule's own (STARE:
+    gate on only), and one for the weight-dependent telemetry (when there are weights or a penalty). Raises
+    ``ValueError`` for mismatched shapes, a controller that does not match ``cfg``, micro-batches that are not a
+    partition of the rows or a missing entropy the algorithm needs; ``FloatingPointError`` when the batch entropy is
+    not finite.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
@@ -229,6 +252,8 @@ def stare_step(
         raise ValueError(f"stats must be an EntropyStats (entropy, surprisal, phi), got {type(stats).__name__}")
     check_same_shape("logprobs", logprobs, mask=mask, entropy=stats.entropy, surprisal=stats.surprisal,
                      phi=stats.phi)
+    if stats.entropy is None and cfg.needs_entropy:
+        raise ValueError(f"stats.entropy is None, but {cfg.name!r} with telemetry {cfg.telemetry!r} needs the entropy")
     adv = broadcast_advantages(advantages, logprobs)  # [B, T] (a view for per-sequence advantages)
     if (controller is None) != (not cfg.stare):
         raise ValueError(f"algorithm {cfg.name!r} {'needs' if cfg.stare else 'takes no'} controller; pass "
@@ -245,6 +270,11 @@ def stare_step(
 
     # 1. batch entropy and the weight-independent telemetry: one all-reduce, one host read
     m = mask.to(torch.float32)
+    if stats.entropy is None:  # a token-rule baseline with telemetry off: the token count only
+        pairs = {P + "tokens": (m.sum(), m.sum())}
+        _, counts = _reduce(pairs, group)
+        result = _token_rule(cfg, logprobs, advantages, mask, stats, group, generator)
+        return StepResult(result[0], {P + "tokens": counts[P + "tokens"]}, None, memory, result[1])
     pairs = {P + "entropy": ((stats.entropy.to(torch.float32) * m).sum(), m.sum())}
     if full:
         pairs[P + "entropy_forecast_base"] = entropy_forecast_sums(stats.phi, adv, mask)
@@ -265,9 +295,11 @@ def stare_step(
     metrics[P + "tokens"] = n_tokens
 
     # 3. the weights (gate on, some tokens anywhere: every rank takes the same branch)
-    weights = None
+    weights = penalty = None
     deferred = False
-    if state is not None and state.gate_on and n_tokens > 0:
+    if cfg.token_rule != "none":
+        weights, penalty = _token_rule(cfg, logprobs, advantages, mask, stats, group, generator)
+    elif state is not None and state.gate_on and n_tokens > 0:
         kwargs = {**cfg.selection_kwargs(), **state.weight_kwargs()}
         if cfg.scope == "global":
             weights = stare_token_weights(logprobs, advantages, mask, phi=stats.phi, group=group, **kwargs)
@@ -283,24 +315,49 @@ def stare_step(
         else:
             deferred = True
 
-    # 4. the weight-dependent telemetry (telemetry "full" only)
-    if not full:
-        pass
-    elif weights is not None:
-        pairs = {P + k: v for k, v in reweight_sums(weights, adv, mask).items()}
-        pairs[P + "entropy_forecast"] = entropy_forecast_sums(stats.phi, adv, mask, weights=weights)
-        boosted = (weights > 1) & (adv > 0) & mask.bool()
-        pairs[P + "boosted_raise_share"] = ((boosted & (stats.phi > 0)).sum(), boosted.sum())
+    # 4. the weight-dependent telemetry (telemetry "full" only): one more all-reduce and host read when there are
+    # weights or penalties
+    if full and (weights is not None or penalty is not None):
+        valid = mask.bool()
+        phi_pos = stats.phi > 0
+        pairs = {}
+        lowered = torch.zeros_like(valid)
+        if weights is not None:
+            pairs.update({P + k: v for k, v in reweight_sums(weights, adv, mask).items()})
+            pairs[P + "entropy_forecast"] = entropy_forecast_sums(stats.phi, adv, mask, weights=weights)
+            boosted = valid & (weights > 1)
+            pairs[P + "boosted_phi_pos_share"] = ((boosted & phi_pos).sum(), boosted.sum())
+            pairs[P + "masked_share"] = ((valid & (weights == 0)).sum(), valid.sum())
+            lowered = valid & (weights < 1)
+        if penalty is not None:
+            penalised = valid & (penalty > 0)
+            pairs[P + "penalised_share"] = (penalised.sum(), valid.sum())
+            lowered = lowered | penalised
+        pairs[P + "lowered_phi_pos_share"] = ((lowered & phi_pos).sum(), lowered.sum())
         w_values, w_counts = _reduce(pairs, group)
-        if w_counts[P + "boosted_raise_share"] == 0:
-            del w_values[P + "boosted_raise_share"]
+        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share"):
+            if w_counts.get(P + name) == 0:
+                del w_values[P + name]
         metrics.update(w_values)
-    elif not deferred:  # every weight is 1: the weighted numbers are the unweighted ones
+    if full and weights is None and not deferred:  # every weight is 1: the weighted numbers are the unweighted ones
         metrics[P + "positive_reweight_ratio"] = 0.0
         metrics[P + "negative_reweight_ratio"] = 0.0
         metrics[P + "mean_weight"] = 1.0 if n_tokens > 0 else 0.0
         metrics[P + "entropy_forecast"] = metrics[P + "entropy_forecast_base"]
+    if full and P + "masked_share" not in metrics:  # no weight is ever 0 outside clip-cov and 80-20
+        metrics[P + "masked_share"] = 0.0
 
     # 5. the measured change since the previous step, beside what that step forecast
     metrics.update(memory.change_metrics(entropy))
-    return StepResult(weights, metrics, state, StepMemory(entropy, metrics.get(P + "entropy_forecast")))
+    return StepResult(weights, metrics, state, StepMemory(entropy, metrics.get(P + "entropy_forecast")), penalty)
+
+
+def _token_rule(cfg: AlgoConfig, logprobs, advantages, mask, stats: EntropyStats, group, generator
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weights, penalty) of ``cfg.token_rule`` over the whole step's batch (baselines.py)."""
+    if cfg.token_rule == "clip-cov":
+        return clip_cov_weights(logprobs, advantages, mask, clip_ratio=cfg.clip_ratio, cov_low=cfg.cov_low,
+                                cov_high=cfg.cov_high, generator=generator, group=group), None
+    if cfg.token_rule == "kl-cov":
+        return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_cov_coef, group=group)
+    return entropy_top_weights(stats.entropy, mask, top_ratio=cfg.top_ratio, group=group), None

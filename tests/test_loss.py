@@ -179,3 +179,171 @@ def test_nonfinite_and_bad_settings_raise():
         policy_loss(new, old, adv, mask, clip_low=-0.1)
     with pytest.raises(ValueError, match="old_logprobs has shape"):
         policy_loss(new, old[:, :3], adv, mask)
+
+
+# ---- penalty (KL-Cov) and clip=False -------------------------------------------------------------------------------
+def _pre_change_loss(new, old, adv, mask, weights, clip_low, clip_high, dual_clip, agg):
+    """policy_loss as it was before penalty/clip existed, written out: the defaults must reproduce it bit for bit."""
+    valid = mask.bool()
+    mask_f = mask.to(new.dtype)
+    a = torch.where(valid, (adv[:, None] if adv.dim() == 1 else adv).expand_as(new).to(new.dtype), 0.0)
+    log_ratio = torch.where(valid, new - old, 0.0).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    token = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    if dual_clip is not None:
+        token = torch.where(a < 0, torch.minimum(token, -a * dual_clip), token)
+    lm = mask_f if weights is None else torch.where(valid, weights.to(token.dtype), 0.0)
+    masked = token * lm
+    if agg == "token-mean":
+        return masked.sum() / mask_f.sum()
+    if agg == "seq-mean-token-mean":
+        return (masked.sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1.0)).sum() / new.shape[0]
+    return masked.sum() / (new.shape[0] * new.shape[-1])
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_defaults_are_bit_identical_to_the_loss_before_penalty_and_clip(agg):
+    for seed in range(4):
+        new, old, adv, mask, weights = make_batch(B=5, T=13, seed=20 + seed, dtype=torch.float32)
+        for w in (None, weights):
+            for dual in (None, 3.0):
+                x1 = new.clone().requires_grad_(True)
+                x2 = new.clone().requires_grad_(True)
+                x3 = new.clone().requires_grad_(True)
+                got, _ = policy_loss(x1, old, adv, mask, weights=w, dual_clip=dual, agg=agg, clip_high=0.28)
+                explicit, _ = policy_loss(x2, old, adv, mask, weights=w, dual_clip=dual, agg=agg, clip_high=0.28,
+                                          penalty=None, clip=True)
+                before = _pre_change_loss(x3, old, adv, mask, w, 0.2, 0.28, dual, agg)
+                assert torch.equal(got, before) and torch.equal(explicit, before)
+                for x, loss in ((x1, got), (x2, explicit), (x3, before)):
+                    loss.backward()
+                assert torch.equal(x1.grad, x3.grad) and torch.equal(x2.grad, x3.grad)
+
+
+def reference_penalised(new, old, adv, mask, weights, penalty, clip, agg):
+    """Per-token Python loop: (clipped or plain) surrogate times the weight, plus c |new - old|."""
+    B, T = new.shape
+    seq_sums, seq_lens = [], []
+    for b in range(B):
+        s, n = 0.0, 0
+        for t in range(T):
+            if mask[b, t] == 0:
+                continue
+            A = float(adv[b])
+            d = float(new[b, t] - old[b, t])
+            r = math.exp(d)
+            l = max(-A * r, -A * min(max(r, 0.8), 1.2)) if clip else -A * r
+            s += l * float(weights[b, t]) + float(penalty[b, t]) * abs(d)
+            n += 1
+        seq_sums.append(s)
+        seq_lens.append(n)
+    if agg == "token-mean":
+        return sum(seq_sums) / sum(seq_lens)
+    if agg == "seq-mean-token-mean":
+        return sum(s / max(n, 1) for s, n in zip(seq_sums, seq_lens)) / B
+    return sum(seq_sums) / (B * T)
+
+
+def _penalty(new, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.where(torch.rand(new.shape, generator=g) < 0.4, 0.7, 0.0).to(new.dtype)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("clip", [True, False])
+def test_penalty_and_unclipped_surrogate_against_reference(agg, clip):
+    new, old, adv, mask, weights = make_batch(B=5, T=9, seed=31)
+    c = _penalty(new)
+    loss, metrics = policy_loss(new, old, adv, mask, weights=weights, penalty=c, clip=clip, agg=agg)
+    assert loss.item() == pytest.approx(reference_penalised(new, old, adv, mask, weights, c, clip, agg), rel=1e-12)
+    if not clip:  # nothing is held by a clip
+        assert metrics["clip_frac_low"].item() == 0 and metrics["clip_frac_high"].item() == 0
+    else:
+        assert metrics["clip_frac_low"].item() + metrics["clip_frac_high"].item() > 0  # the fixture does clip
+
+
+def test_unclipped_ignores_clip_ranges_and_dual_clip():
+    new, old, adv, mask, weights = make_batch(B=6, T=10, seed=32)
+    base, _ = policy_loss(new, old, adv, mask, clip=False)
+    loss, metrics = policy_loss(new, old, adv, mask, clip=False, clip_low=0.01, clip_high=0.01, dual_clip=1.01)
+    assert torch.equal(loss, base) and metrics["dual_clip_frac"].item() == 0
+    ones = torch.ones_like(new)
+    assert loss.item() == pytest.approx(reference_penalised(new, old, adv, mask, ones, 0 * ones, False, "token-mean"),
+                                        rel=1e-12)
+    assert policy_loss(new, old, adv, mask, dual_clip=1.01)[1]["dual_clip_frac"].item() > 0  # it binds when clipping
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_penalty_gradients(agg):
+    new, old, adv, mask, weights = make_batch(B=4, T=7, seed=33)
+    c = _penalty(new, seed=1)
+    x = new.clone().requires_grad_(True)
+    loss, _ = policy_loss(x, old, adv, mask, weights=weights, penalty=c, clip=False, agg=agg)
+    loss.backward()
+    # an independent expression of the same loss, differentiated by autograd
+    y = new.clone().requires_grad_(True)
+    a = adv[:, None]
+    per_token = (-a * torch.exp(y - old) * weights + c * (y - old).abs()) * mask
+    if agg == "token-mean":
+        ref = per_token.sum() / mask.sum()
+    elif agg == "seq-mean-token-mean":
+        ref = (per_token.sum(-1) / mask.sum(-1)).mean()
+    else:
+        ref = per_token.sum() / (4 * 7)
+    ref.backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-15)
+    # and by hand for token-mean: d/dx = (-A r w + c sign(x - old)) / N on response tokens
+    if agg == "token-mean":
+        hand = (-a * torch.exp(new - old) * weights + c * torch.sign(new - old)) * mask / mask.sum()
+        torch.testing.assert_close(x.grad, hand, rtol=1e-12, atol=1e-15)
+    # finite differences (no token sits at new == old, where |.| has a kink)
+    f = lambda z: policy_loss(z, old, adv, mask, weights=weights, penalty=c, clip=False, agg=agg)[0]
+    assert torch.autograd.gradcheck(f, (new.clone().requires_grad_(True),), eps=1e-7, atol=1e-7)
+    g = lambda z: policy_loss(z, old, adv, mask, weights=weights, penalty=c, clip=True, dual_clip=2.0, agg=agg)[0]
+    assert torch.autograd.gradcheck(g, (new.clone().requires_grad_(True),), eps=1e-7, atol=1e-7)
+
+
+def test_penalty_at_ratio_one_has_no_gradient_and_padding_cannot_leak():
+    new, old, adv, mask, weights = make_batch(B=3, T=6, seed=34)
+    x = old.clone().requires_grad_(True)  # the first update of a step: new == old
+    c = torch.ones_like(old)
+    with_pen, _ = policy_loss(x, old, adv, mask, penalty=c, clip=False)
+    with_pen.backward()
+    y = old.clone().requires_grad_(True)
+    without, _ = policy_loss(y, old, adv, mask, clip=False)
+    without.backward()
+    assert torch.equal(with_pen, without) and torch.equal(x.grad, y.grad)
+    padded = new.clone()
+    padded[mask == 0] = float("nan")
+    padded.requires_grad_(True)
+    pen = torch.where(mask == 0, float("nan"), _penalty(new))
+    loss, _ = policy_loss(padded, old, adv, mask, penalty=pen, clip=False)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(padded.grad).all()
+    assert loss.item() == pytest.approx(policy_loss(new, old, adv, mask, penalty=_penalty(new), clip=False)[0].item(),
+                                        rel=1e-12)
+
+
+def test_penalty_is_checked_and_costs_no_host_sync():
+    new, old, adv, mask, _ = make_batch()
+    with pytest.raises(ValueError, match="penalty has shape"):
+        policy_loss(new, old, adv, mask, penalty=torch.ones(2, 2, dtype=new.dtype))
+    with pytest.raises(ValueError, match="penalty holds negative"):
+        policy_loss(new, old, adv, mask, penalty=-torch.ones_like(new))
+    bad = torch.ones_like(new)
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="penalty holds 1 non-finite"):
+        policy_loss(new, old, adv, mask, penalty=bad)
+    # clip_low = 1 (Clip-Cov's scripts: no clip below) is allowed, 1.5 is not
+    policy_loss(new, old, adv, mask, clip_low=1.0, clip_high=1.0)
+    with pytest.raises(ValueError, match="clip_low must be in \\[0, 1\\], got 1.5"):
+        policy_loss(new, old, adv, mask, clip_low=1.5)
+    B, T = 4, 1024
+    meta = dict(device="meta")
+    x = torch.empty(B, T, requires_grad=True, **meta)
+    for agg in AGGREGATIONS:
+        loss, metrics = policy_loss(x, torch.empty(B, T, **meta), torch.empty(B, T, **meta), torch.empty(B, T, **meta),
+                                    weights=torch.empty(B, T, **meta), penalty=torch.empty(B, T, **meta), clip=False,
+                                    agg=agg, num_tokens=torch.empty((), **meta), num_seqs=B)
+        assert loss.device.type == "meta" and all(v.device.type == "meta" for v in metrics.values())
+        loss.backward()

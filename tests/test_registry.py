@@ -1,11 +1,13 @@
 """The named algorithms carry the settings the issue and the papers specify."""
 import pytest
 
-from stare.algorithms import ALGORITHMS, BandGate, PaperGate, get_algorithm
+from stare.algorithms import ALGORITHMS, TOKEN_RULES, BandGate, PaperGate, get_algorithm
 
 
 def test_names():
-    assert list(ALGORITHMS) == ["grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi"]
+    assert list(ALGORITHMS) == ["grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov",
+                                "80-20"]
+    assert TOKEN_RULES == ("none", "clip-cov", "kl-cov", "80-20")
 
 
 def test_baseline_settings():
@@ -45,3 +47,76 @@ def test_overrides_and_errors():
         get_algorithm("stare-phi", band_low=0.5, band_high=0.4)
     with pytest.raises(ValueError, match="unknown aggregation"):
         get_algorithm("grpo", agg="sum")
+
+
+def test_entropy_baselines_carry_the_papers_settings():
+    """Clip-Cov / KL-Cov as the entropy paper's 7B scripts (verl recipe/entropy), 80/20 on DAPO's settings."""
+    clip = get_algorithm("clip-cov")
+    assert (clip.token_rule, clip.clip_ratio, clip.cov_low, clip.cov_high) == ("clip-cov", 2e-4, 1.0, 5.0)
+    assert (clip.clip_low, clip.clip_high, clip.dual_clip, clip.agg) == (1.0, 1.0, None, "token-mean")
+    assert clip.std_norm and clip.dynamic_sampling and not clip.overlong_shaping and not clip.stare
+    assert not clip.unclipped and clip.make_controller() is None
+    kl = get_algorithm("kl-cov")
+    assert (kl.token_rule, kl.k_ratio, kl.kl_cov_coef, kl.agg, kl.dual_clip) == \
+        ("kl-cov", 2e-3, 1.0, "token-mean", None)
+    assert kl.unclipped and kl.std_norm and kl.dynamic_sampling and not kl.overlong_shaping
+    top = get_algorithm("80-20")
+    dapo = get_algorithm("dapo")
+    for key in ("clip_low", "clip_high", "dual_clip", "agg", "dynamic_sampling", "overlong_shaping", "std_norm",
+                "overlong_buffer_len", "overlong_penalty"):
+        assert getattr(top, key) == getattr(dapo, key), key
+    assert (top.token_rule, top.top_ratio, top.stare, top.unclipped) == ("80-20", 0.2, False, False)
+    for name in ("clip-cov", "kl-cov", "80-20"):
+        assert "2025" in ALGORITHMS[name].description
+    # defaults of the new settings on every other algorithm: no token rule
+    for name in ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi"):
+        cfg = get_algorithm(name)
+        assert cfg.token_rule == "none" and not cfg.unclipped
+
+
+def test_needs_entropy():
+    assert get_algorithm("stare", telemetry="off").needs_entropy
+    assert get_algorithm("80-20", telemetry="off").needs_entropy
+    for name in ("grpo", "clip-cov", "kl-cov"):
+        assert not get_algorithm(name, telemetry="off").needs_entropy
+        assert get_algorithm(name, telemetry="entropy").needs_entropy
+        assert get_algorithm(name).needs_entropy  # telemetry full
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(token_rule="clipcov"), "unknown token_rule 'clipcov'; valid choices: none, clip-cov, kl-cov, 80-20"),
+    (dict(clip_ratio=0.0), "clip_ratio must be in \\(0, 1\\], got 0.0"),
+    (dict(clip_ratio=1.5), "clip_ratio must be in \\(0, 1\\], got 1.5"),
+    (dict(cov_high=0.5), "cov_high must be in \\(1.0, inf\\], got 0.5"),
+    (dict(cov_low=float("nan")), "cov_low must be a number, got nan"),
+    (dict(k_ratio=0.0), "k_ratio must be in \\(0, 1\\], got 0.0"),
+    (dict(kl_cov_coef=-1.0), "kl_cov_coef must be in \\[0, inf\\], got -1.0"),
+    (dict(clip_low=1.5), "clip_low must be in \\[0, 1\\], got 1.5"),
+])
+def test_baseline_settings_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        get_algorithm("clip-cov", **overrides)
+
+
+def test_token_rules_are_exclusive_with_stare_and_80_20_needs_a_share():
+    with pytest.raises(ValueError, match="token_rule 'kl-cov' .* cannot be combined with stare"):
+        get_algorithm("stare", token_rule="kl-cov")
+    with pytest.raises(ValueError, match="top_ratio must be in \\(0, 1\\], got 0.0"):
+        get_algorithm("80-20", top_ratio=0.0)
+    assert get_algorithm("grpo", token_rule="80-20", top_ratio=0.5).top_ratio == 0.5
+
+
+def test_no_algorithm_setting_shadows_a_run_setting():
+    """`--set key=value` must mean one thing: the presets reject a run setting named like an algorithm setting (the
+    GPU presets' `kl_coef` is OpenRLHF's reference-model KL, hence KL-Cov's `kl_cov_coef`)."""
+    from pathlib import Path
+
+    import yaml
+
+    from stare.algorithms import SETTING_NAMES
+    from stare.cli.openrlhf_backend.argv import SCHEMA
+
+    run_keys = set(SCHEMA)
+    for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"):
+        run_keys |= set(yaml.safe_load(path.read_text()).get("settings") or {})
+    assert "kl_coef" in run_keys and not set(SETTING_NAMES) & run_keys, set(SETTING_NAMES) & run_keys

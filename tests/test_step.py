@@ -43,8 +43,8 @@ def _batch(B=6, T=9, seed=0, per_token=False):
     return logp, adv, mask, EntropyStats(entropy, -logp, phi)
 
 
-def _tokens(logp, adv, mask, stats, weights=None):
-    """One dict per response token (row-major), plain Python numbers."""
+def _tokens(logp, adv, mask, stats, weights=None, penalty=None):
+    """One dict per response token (row-major), plain Python numbers (``c``: the KL-Cov coefficient, 0 unset)."""
     B, T = logp.shape
     adv_tok = adv[:, None].expand(B, T) if adv.dim() == 1 else adv
     out = []
@@ -53,7 +53,8 @@ def _tokens(logp, adv, mask, stats, weights=None):
             if mask[i, t]:
                 out.append({"row": i, "col": t, "s": -float(logp[i, t]), "a": float(adv_tok[i, t]),
                             "h": float(stats.entropy[i, t]), "sur": float(stats.surprisal[i, t]),
-                            "phi": float(stats.phi[i, t]), "w": 1.0 if weights is None else float(weights[i, t])})
+                            "phi": float(stats.phi[i, t]), "w": 1.0 if weights is None else float(weights[i, t]),
+                            "c": 0.0 if penalty is None else float(penalty[i, t])})
     return out
 
 
@@ -89,7 +90,7 @@ def _brute_weights(logp, adv, mask, stats, cfg, w, m, damp):
     return weights
 
 
-def _hand_metrics(toks):
+def _hand_metrics(toks, penalised=False):
     n = len(toks)
     pos = [t for t in toks if t["a"] > 0]
     neg = [t for t in toks if t["a"] < 0]
@@ -108,9 +109,15 @@ def _hand_metrics(toks):
     for q, inside in cells.items():
         out[f"stare/{q}_share"] = sum(map(inside, toks)) / active
         out[f"stare/{q}_contrib"] = sum(t["a"] * t["phi"] for t in toks if inside(t)) / n
-    boosted = [t for t in pos if t["w"] > 1]
+    boosted = [t for t in toks if t["w"] > 1]
     if boosted:
-        out["stare/boosted_raise_share"] = sum(t["phi"] > 0 for t in boosted) / len(boosted)
+        out["stare/boosted_phi_pos_share"] = sum(t["phi"] > 0 for t in boosted) / len(boosted)
+    lowered = [t for t in toks if t["w"] < 1 or t["c"] > 0]
+    if lowered:
+        out["stare/lowered_phi_pos_share"] = sum(t["phi"] > 0 for t in lowered) / len(lowered)
+    out["stare/masked_share"] = sum(t["w"] == 0 for t in toks) / n
+    if penalised:
+        out["stare/penalised_share"] = sum(t["c"] > 0 for t in toks) / n
     return out
 
 
@@ -262,6 +269,60 @@ def test_old_metric_names_read_as_the_new_ones(tmp_path):
     loaded = load_run(run)
     assert [r["stare/entropy"] for r in loaded.metrics] == [0.8, 0.6] and "entropy" not in loaded.metrics[0]
     assert run_measures(loaded)["start_entropy"] == 0.8
+
+
+def test_the_renamed_boosted_share_reads_under_its_new_name():
+    assert upgrade_metric_names({"stare/boosted_raise_share": 0.25, "step": 1}) == \
+        {"stare/boosted_phi_pos_share": 0.25, "step": 1}
+    both = {"stare/boosted_raise_share": 0.25, "stare/boosted_phi_pos_share": 0.5}
+    assert upgrade_metric_names(both) == {"stare/boosted_phi_pos_share": 0.5}
+    assert "stare/boosted_raise_share" not in METRIC_NAMES
+
+
+def test_boosted_and_lowered_shares_count_every_response_token():
+    """M > 1 boosts A < 0 tokens too; damping lowers A > 0 tokens: both shares cover any advantage sign."""
+    logp, adv, mask, stats = _batch(B=8, T=9, seed=6, per_token=True)
+    cfg = get_algorithm("stare-c2", target_entropy=5.0, top_ratio=0.3, m=1.2)
+    result = stare_step(cfg.make_controller(), cfg, logp, adv, mask, stats)
+    toks = _tokens(logp, adv, mask, stats, result.weights)
+    assert any(t["w"] > 1 and t["a"] < 0 for t in toks)
+    hand = _hand_metrics(toks)
+    assert "stare/lowered_phi_pos_share" not in hand and "stare/lowered_phi_pos_share" not in result.metrics
+    _check(result.metrics, hand)
+    phi = get_algorithm("stare-phi", band_low=0.5, band_high=1.2)
+    result = stare_step(phi.make_controller(), phi, logp, adv, mask, stats)
+    hand = _hand_metrics(_tokens(logp, adv, mask, stats, result.weights))
+    assert hand["stare/lowered_phi_pos_share"] < 1  # damped tokens have Phi < 0
+    _check(result.metrics, hand)
+
+
+@pytest.mark.parametrize("algo, overrides", [("grpo", {}), ("dr-grpo", {}), ("dapo", {}),
+                                             *((a, o) for a, o, _ in CASES)])
+def test_existing_algorithms_draw_no_random_numbers(algo, overrides):
+    cfg = get_algorithm(algo, **overrides)
+    logp, adv, mask, stats = _batch(seed=7)
+    g = torch.Generator().manual_seed(123)
+    state, global_state = g.get_state(), torch.get_rng_state()
+    with_gen = stare_step(cfg.make_controller(), cfg, logp, adv, mask, stats, generator=g)
+    assert torch.equal(g.get_state(), state) and torch.equal(torch.get_rng_state(), global_state)
+    without = stare_step(cfg.make_controller(), cfg, logp, adv, mask, stats)
+    assert with_gen.metrics == without.metrics and with_gen.penalty is None
+    assert (with_gen.weights is None) == (without.weights is None)
+    if with_gen.weights is not None:
+        assert torch.equal(with_gen.weights, without.weights)
+    assert with_gen.metrics["stare/masked_share"] == 0.0
+
+
+def test_clip_cov_draws_from_the_given_generator_only():
+    logp, adv, mask, stats = _batch(B=8, T=9, seed=8)
+    cfg = get_algorithm("clip-cov", clip_ratio=0.1, cov_low=-1.0, cov_high=1.0)
+    g = torch.Generator().manual_seed(5)
+    state, global_state = g.get_state(), torch.get_rng_state()
+    first = stare_step(None, cfg, logp, adv, mask, stats, generator=g)
+    assert not torch.equal(g.get_state(), state) and torch.equal(torch.get_rng_state(), global_state)
+    again = stare_step(None, cfg, logp, adv, mask, stats, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(first.weights, again.weights) and first.metrics == again.metrics
+    assert first.metrics["stare/masked_share"] == pytest.approx(int((first.weights == 0).sum()) / int(mask.sum()))
 
 
 def test_every_telemetry_name_the_readme_lists_is_a_metric():

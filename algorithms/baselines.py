@@ -1,0 +1,197 @@
+"""The token rules of the entropy baselines: Clip-Cov, KL-Cov and 80/20 (section 7 of docs/algorithm.md).
+
+Each rule is a function of the old policy's per-token numbers over the whole step's batch, computed once per
+step (``stare_step`` calls it), exact across data-parallel ranks when given a torch.distributed ``group``:
+
+- ``token_covariance``: cov_t = (A_t - mean A) (logp_t - mean logp), both means over the step's response tokens.
+- ``clip_cov_weights`` (Clip-Cov): 0 on a uniformly random ``max(1, floor(clip_ratio N))`` of the tokens whose
+  covariance lies strictly inside (``cov_low``, ``cov_high``), 1 elsewhere; the loss multiplies it in as a weight,
+  so those tokens give no gradient.
+- ``kl_cov_coefs`` (KL-Cov): ``kl_coef`` on the top ``max(1, floor(k_ratio N))`` tokens by covariance, 0 elsewhere;
+  the loss adds ``c |logp - old_logp|`` per token to the unclipped surrogate (``policy_loss(penalty=, clip=False)``).
+- ``entropy_top_weights`` (80/20): 1 on the top ``ceil(top_ratio N)`` tokens by the old policy's entropy, 0 on the
+  other response tokens, so the policy gradient flows through the high-entropy minority only.
+
+N is the number of response tokens of the whole step (all ranks). Where the public implementation (verl's
+``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``) differs, it is in scope and timing: verl
+recomputes the covariance inside every micro-batch of every update, from the log-probs being trained (so the
+selection depends on how the batch is split and drifts as the policy moves); here it is computed once, from the
+old policy's log-probs, over the step's whole batch. At that point the ratio is 1 for every token, so Clip-Cov's
+"not already clipped by PPO" condition excludes nothing; and if a selected token is clipped later in the step,
+its clipped surrogate has no gradient anyway, so dropping it changes nothing.
+
+Host reads: each rule reads its token counts once (one small synchronisation per step, never per micro-batch)
+plus ``kth_largest``'s own reads; the covariance's means stay on the device. Pure torch; ``torch.distributed``
+only when a ``group`` is given.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import broadcast_advantages, check_finite, check_range, check_same_shape
+from .selection import kth_largest, top_count
+
+
+def floor_count(ratio: float, n: int) -> int:
+    """max(1, floor(ratio * n)), at most n; 0 when n is 0. The product is rounded to 9 decimals first, so that
+    a share that is a whole number of tokens (2e-3 * 5000) is not floored one below by float error."""
+    if n <= 0:
+        return 0
+    return min(n, max(1, math.floor(round(ratio * n, 9))))
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _check_tokens(name: str, values: torch.Tensor, mask: torch.Tensor, **others) -> None:
+    if values.dim() != 2:
+        raise ValueError(f"{name} must be shaped [B, T], got shape {tuple(values.shape)}")
+    check_same_shape(name, values, mask=mask, **others)
+
+
+def _covariance(logprobs, advantages, mask, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cov [B, T] float32, 0 on padding; the response-token count over all ranks, a float64 0-dim tensor)."""
+    _check_tokens("logprobs", logprobs, mask)
+    adv = broadcast_advantages(advantages, logprobs)
+    valid = mask.bool()
+    check_finite(valid, logprobs=logprobs)
+    check_finite(None if adv.stride(-1) == 0 else valid, advantages=adv[:, :1] if adv.stride(-1) == 0 else adv)
+    # float64 on the device: the sums of float32 values are then (nearly always) exact, so R ranks get the
+    # same means as one process holding all their tokens
+    lp = torch.where(valid, logprobs.detach().to(torch.float64), 0.0)
+    a = torch.where(valid, adv.detach().to(torch.float64), 0.0)
+    sums = _all_reduce(torch.stack([a.sum(), lp.sum(), valid.sum().to(torch.float64)]), group)
+    n = sums[2]
+    denom = n.clamp(min=1.0)
+    cov = (a - sums[0] / denom) * (lp - sums[1] / denom)
+    return torch.where(valid, cov, 0.0).to(torch.float32), n
+
+
+def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     group=None) -> torch.Tensor:
+    """Per-token centred covariance of log-prob and advantage, ``[B, T]`` float32 (0 on padding).
+
+    cov_t = (A_t - mean A) (logp_t - mean logp), each mean over the masked tokens of everything passed in, and
+    over every rank of ``group`` when given (so a rank's covariances are those of the whole step's batch).
+    ``logprobs``: ``[B, T]`` (detached; the old policy's, for the step's batch); ``advantages``: ``[B, T]`` or
+    per-sequence ``[B]``; ``mask``: 1 / True on response tokens. No host read (the means stay on the device).
+    """
+    return _covariance(logprobs, advantages, mask, group)[0]
+
+
+def clip_cov_weights(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    generator: torch.Generator | None = None,
+    group=None,
+    keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clip-Cov's token mask, ``[B, T]`` float32: 0 on the tokens whose gradient is dropped, 1 elsewhere (padding 1).
+
+    Candidates: response tokens with ``cov_low < cov < cov_high`` (``token_covariance``). The count is
+    ``min(#candidates, max(1, floor(clip_ratio * N)))``, N the response tokens over all ranks; that many candidates
+    are chosen uniformly at random: each gets a random key (``torch.rand`` from ``generator``, or the global
+    generator when None; ``keys`` ``[B, T]`` overrides them, for tests), and the candidates with the largest keys
+    over all ranks are chosen, exactly (the threshold by ``kth_largest``; keys tied at it are taken in rank, then
+    row-major order, so the count is exact). With a ``group`` give each rank its own generator stream (for example
+    seeded with seed + rank): identical streams give correlated keys on the ranks.
+    """
+    check_range("clip_ratio", clip_ratio, 0, 1, low_open=True)
+    check_range("cov_low", cov_low, None, None)
+    check_range("cov_high", cov_high, cov_low, None, low_open=True)
+    if keys is not None:
+        _check_tokens("logprobs", logprobs, mask, keys=keys)
+    cov, n = _covariance(logprobs, advantages, mask, group)
+    valid = mask.bool()
+    cand = valid & (cov > cov_low) & (cov < cov_high)
+    n_cand = _all_reduce(cand.sum().to(torch.float64), group)
+    n_tokens, n_cand = (int(v) for v in torch.stack([n, n_cand]).tolist())  # the one host read of the counts
+    weights = torch.ones(logprobs.shape, dtype=torch.float32, device=logprobs.device)
+    k = min(n_cand, floor_count(clip_ratio, n_tokens))
+    if k == 0:
+        return weights
+    if keys is None:
+        device = generator.device if generator is not None else logprobs.device
+        keys = torch.rand(logprobs.shape, generator=generator, device=device, dtype=torch.float32)
+    keys = keys.to(device=logprobs.device, dtype=torch.float32)
+    threshold = kth_largest(keys[cand], k, group)
+    above = cand & (keys > threshold)
+    tied = cand & (keys == threshold)
+    # the tied keys fill what is left of the k, in (rank, row-major) order; all on the device
+    if group is None:
+        n_above = above.sum()
+        before = torch.zeros((), dtype=torch.int64, device=keys.device)
+    else:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        counts = torch.zeros(world + 1, dtype=torch.int64, device=keys.device)
+        counts[0] = above.sum()
+        counts[1 + rank] = tied.sum()
+        _all_reduce(counts, group)
+        n_above, before = counts[0], counts[1:1 + rank].sum()
+    quota = (k - n_above - before).clamp(min=0)
+    order = tied.reshape(-1).cumsum(0).reshape(tied.shape)  # 1, 2, ... over this rank's tied keys
+    chosen = above | (tied & (order <= quota))
+    return weights.masked_fill_(chosen, 0.0)
+
+
+def kl_cov_coefs(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    k_ratio: float = 2e-3,
+    kl_coef: float = 1.0,
+    group=None,
+) -> torch.Tensor:
+    """KL-Cov's per-token penalty coefficients, ``[B, T]`` float32: ``kl_coef`` on the selected tokens, 0 elsewhere
+    (and on padding).
+
+    Selected: the response tokens whose covariance (``token_covariance``) is at or above the k-th largest over all
+    ranks, k = ``max(1, floor(k_ratio * N))`` (at most N). A threshold, like STARE's top-k: tokens tied at it are
+    all selected, so the choice never depends on order or layout.
+    """
+    check_range("k_ratio", k_ratio, 0, 1, low_open=True)
+    check_range("kl_coef", kl_coef, 0, None)
+    cov, n = _covariance(logprobs, advantages, mask, group)
+    valid = mask.bool()
+    coefs = torch.zeros(logprobs.shape, dtype=torch.float32, device=logprobs.device)
+    k = floor_count(k_ratio, int(n))
+    if k == 0:
+        return coefs
+    threshold = kth_largest(cov[valid], k, group)
+    return coefs.masked_fill_(valid & (cov >= threshold), kl_coef)
+
+
+def entropy_top_weights(entropy: torch.Tensor, mask: torch.Tensor, *, top_ratio: float = 0.2,
+                        group=None) -> torch.Tensor:
+    """80/20's token mask, ``[B, T]`` float32: 1 on the top ``ceil(top_ratio * N)`` response tokens by entropy,
+    0 on the other response tokens, 1 on padding.
+
+    ``entropy``: ``[B, T]``, the old policy's per-position entropy. The count is ``top_count`` (ceil, at least 1;
+    0 when ``top_ratio`` is 0) over all ranks' N response tokens; a threshold, so tokens tied at it are all kept.
+    """
+    _check_tokens("entropy", entropy, mask)
+    check_range("top_ratio", top_ratio, 0, 1)
+    valid = mask.bool()
+    check_finite(valid, entropy=entropy)
+    values = entropy.detach().to(torch.float32)
+    n = int(_all_reduce(valid.sum().to(torch.int64), group))  # the one host read of the count
+    k = top_count(top_ratio, n)
+    if k == 0:  # no response token anywhere, or top_ratio 0: nothing kept
+        return torch.where(valid, 0.0, 1.0).to(torch.float32)
+    threshold = kth_largest(values[valid], k, group)
+    return torch.where(valid & (values < threshold), 0.0, 1.0).to(torch.float32)
