@@ -127,14 +127,17 @@ def test_smollm_preset_keys():
     p = load_preset("smollm-cpu")
     s = p.settings
     arms = s["algos"].split(",")
-    assert {"grpo", "dapo", "stare", "stare-c2", "stare-phi"} <= set(arms)
+    assert {"grpo", "dapo", "stare", "stare-c2", "stare-phi", "80-20"} <= set(arms)
     assert len(arms) == len(set(arms))
     assert s["task"] == "arith" and s["model"] == "smollm2-135m" and s["threads"] == 1
     assert s["steps"] >= 40 and s["prompts_per_step"] * s["samples_per_prompt"] == 16
     assert s["eval_problems"] >= 64 and s["eval_k"] >= 4  # held-out avg@k over enough problems to compare arms
     assert s["logits_to_keep"] is True and s["same_batch_entropy"] is False
     for arm in arms:  # every arm resolves with the preset's overrides
-        assert resolve("smollm-cpu", arm)["algo"]["name"] == arm
+        algo = resolve("smollm-cpu", arm)["algo"]
+        assert algo["name"] == arm
+        if algo["overlong_shaping"]:  # a buffer as long as the replies would penalise every reply
+            assert algo["overlong_buffer_len"] < s["max_new_tokens"] // 2, arm
 
 
 def test_old_run_folder_resumes_with_the_new_settings_at_their_old_behaviour(tmp_path):
