@@ -65,10 +65,18 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
     return False
 
 
+# local settings added after runs were made, with the value that gives those runs' behaviour (a folder from before
+# them resumes when the new settings equal these)
+LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True}
+
+
 def _comparable(config: dict) -> dict:
     """A run's settings less ``device``: where a local run computes may change when it is resumed (a checkpoint
-    saved on a GPU resumes on CPU), and folders from before the setting have none."""
+    saved on a GPU resumes on CPU), and folders from before the setting have none. Local settings newer than the
+    folder read as ``LOCAL_SETTINGS_BEFORE``."""
     settings = {k: v for k, v in (config.get("settings") or {}).items() if k != "device"}
+    if config.get("backend") == "local":
+        settings = {**LOCAL_SETTINGS_BEFORE, **settings}
     return {**config, "settings": settings}
 
 

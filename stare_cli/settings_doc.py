@@ -78,6 +78,10 @@ LOCAL_RUN_SETTING_HELP = {
     "eval_k": "samples per held-out problem (avg@k, pass@k)",
     "save_every": "a checkpoint every N steps (what --resume continues from)",
     "threads": "torch threads per arm",
+    "logits_to_keep": "training pass: LM head on the response positions only (true) or on every position (false; "
+                      "same logits, weight gradient equal up to rounding: the tiny presets keep false, their "
+                      "README numbers)",
+    "same_batch_entropy": "one more no-grad forward per step to log stare/entropy_change_same_batch (false: absent)",
     "device": "where the local engine trains: cpu (default: the README's numbers), cuda (one GPU) or auto",
     "hidden": "tiny model: hidden size",
     "layers": "tiny model: transformer layers",

@@ -288,8 +288,8 @@ def test_algos_settings_lists_every_key_with_defaults_and_meaning():
     assert "stare algorithms" in res.stdout and "kl-cov: 0.2; clip-cov: 1)" in res.stdout
     assert rows["w"][1] == "1.1 (stare-phi: 2)" and rows["std_norm"][1] == "true (dr-grpo: false)"
     steps = {p.name: p.settings["steps"] for p in local}
-    assert steps["tiny-cpu"] == 200 and steps["smollm-cpu"] == 20
-    assert rows["steps"][1] == "200 (smollm-cpu: 20)" and rows["steps"][2] == "RL steps per arm"
+    assert steps["tiny-cpu"] == 200 and steps["smollm-cpu"] == 30
+    assert rows["steps"][1] == "200 (smollm-cpu: 30)" and rows["steps"][2] == "RL steps per arm"
     assert rows["model"][1].startswith("tiny (smollm-cpu:")  # wrapped: smollm2-135m on the next line
 
 

@@ -26,8 +26,8 @@ def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, se
         ids, attn = encode_prompts(tokenizer, [p.prompt for p in batch], chat=chat, device=device)
         g = sample(model, tokenizer, ids, attn, max_new_tokens=max_new_tokens, greedy=True)
         greedy += [task.reward(p, t) for p, t in zip(batch, g.texts)]
-        r = sample(model, tokenizer, ids.repeat_interleave(k, 0), attn.repeat_interleave(k, 0),
-                   max_new_tokens=max_new_tokens, temperature=temperature, generator=gen)
+        r = sample(model, tokenizer, ids, attn, repeats=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                   generator=gen)
         for i, p in enumerate(batch):
             correct.append([task.reward(p, t) for t in r.texts[i * k:(i + 1) * k]])
 

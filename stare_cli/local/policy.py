@@ -109,17 +109,26 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None) -> Rollout:
-    """Sample one response per prompt row (repeat rows for G samples), with a KV cache, on the prompts' device
-    (``generator`` must be on that device too)."""
+           temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
+           repeats: int = 1) -> Rollout:
+    """Sample ``repeats`` responses per prompt row (rows ``i * repeats`` .. ``(i + 1) * repeats - 1`` of the rollout
+    answer prompt ``i``), with a KV cache, on the prompts' device (``generator`` must be on that device too).
+
+    The prompts are read once (the prefill runs on the distinct prompts, then its cache is repeated), and the prefill
+    projects only its last position onto the vocabulary (``logits_to_keep=1``): the others predict prompt tokens,
+    which nothing reads. Passing repeated rows with ``repeats=1`` samples the same way, with a longer prefill."""
     from transformers import DynamicCache
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=_positions(prompt_mask),
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if repeats != 1:
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
+        cache.batch_repeat_interleave(repeats)
+        out.logits = out.logits.repeat_interleave(repeats, 0)
     B, P = prompt_ids.shape
     attn = prompt_mask.clone()
-    cache = DynamicCache()
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=_positions(attn), past_key_values=cache,
-                use_cache=True)
     next_pos = attn.sum(-1, keepdim=True)
     tokens = []
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
@@ -152,11 +161,19 @@ def sample(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     return Rollout(torch.cat([prompt_ids, responses], 1), full_attn, P, action_mask, texts)
 
 
-def response_logits(model, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
-    """Logits [B, R, V] that predicted each response token (divided by the sampling temperature)."""
+def response_logits(model, rollout: Rollout, temperature: float = 1.0, *, response_only: bool = True) -> torch.Tensor:
+    """Logits [B, R, V] that predicted each response token (divided by the sampling temperature).
+
+    Only positions P-1 .. L-2 (L = P + R) predict response tokens. With ``response_only`` (the default) the LM head
+    (576 x 49,152 for SmolLM2, a large share of a forward) runs on the last R + 1 positions only (``logits_to_keep``),
+    the last of which is dropped; otherwise on every position, then sliced. The logits are the same either way (the
+    LM head is applied position by position); under autograd the LM head's weight gradient is a sum over fewer
+    positions, equal up to float rounding (the ``logits_to_keep`` setting picks the training pass's form)."""
+    R = rollout.sequences.shape[1] - rollout.prompt_len
+    keep = R + 1 if response_only else 0  # 0: every position
     out = model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
-                position_ids=_positions(rollout.attention_mask))
-    logits = out.logits[:, rollout.prompt_len - 1:-1].float()
+                position_ids=_positions(rollout.attention_mask), logits_to_keep=keep)
+    logits = (out.logits[:, :-1] if response_only else out.logits[:, rollout.prompt_len - 1:-1]).float()
     return logits / temperature if temperature != 1.0 else logits
 
 

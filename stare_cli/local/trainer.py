@@ -15,8 +15,9 @@ Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin mak
    ``stare/*`` telemetry;
 6. ``mini_batches`` optimizer steps of ``policy_loss``, each accumulated over micro-batches with the
    mini-batch's global token and sequence counts;
-7. one more no-grad pass over the same batch for ``stare/entropy_change_same_batch``; one JSON line in
-   ``metrics.jsonl``, and a checkpoint every ``save_every`` steps.
+7. one more no-grad pass over the same batch for ``stare/entropy_change_same_batch`` (setting
+   ``same_batch_entropy``; off, the metric is absent); one JSON line in ``metrics.jsonl``, and a checkpoint every
+   ``save_every`` steps.
 
 A checkpoint holds the model, optimizer, controller and every RNG state, so a killed run resumed with
 ``--resume`` ends with the same metrics as an uninterrupted one (CPU arithmetic is deterministic).
@@ -169,7 +170,7 @@ class LocalTrainer:
             ids, attn = encode_prompts(self.tokenizer, [p.prompt for p in problems], chat=self.chat,
                                        device=self.device)
             self.model.eval()
-            r = sample(self.model, self.tokenizer, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0),
+            r = sample(self.model, self.tokenizer, ids, attn, repeats=G,  # row i * G + j: prompt i's sample j
                        max_new_tokens=self.s["max_new_tokens"], temperature=self.s["temperature"],
                        generator=self.gen)
             self.model.train()
@@ -236,13 +237,16 @@ class LocalTrainer:
         rec.update(step.metrics)
 
         sums: dict[str, float] = {}
+        # the LM head on the response positions only in the training pass too (absent in old configs: off)
+        response_only = self.s.get("logits_to_keep", False)
         for micros in plan:
             mb_mask = mask[torch.cat(micros)]
             n_tok, n_seq = mb_mask.sum(), mb_mask.shape[0]
             self.opt.zero_grad(set_to_none=True)
             for micro in micros:
                 sub = batch.select(micro)
-                lp = token_logprobs(response_logits(self.model, sub, temp), sub.responses)
+                lp = token_logprobs(response_logits(self.model, sub, temp, response_only=response_only),
+                                    sub.responses)
                 loss, m = policy_loss(lp, old_logprobs[micro], adv[micro], mask[micro],
                                       clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
                                       dual_clip=self.algo.dual_clip, agg=self.algo.agg,
@@ -255,10 +259,11 @@ class LocalTrainer:
                     sums[k] = sums.get(k, 0.0) + float(v) / mb_count
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s["grad_clip"])
             self.opt.step()
-        with torch.no_grad():
-            new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions).entropy
+        if self.s.get("same_batch_entropy", True):  # one more no-grad forward (absent in old configs: on)
+            with torch.no_grad():
+                new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions).entropy
+            rec["stare/entropy_change_same_batch"] = batch_mean(new_entropy, mask) - entropy
         rec.update({
-            "stare/entropy_change_same_batch": batch_mean(new_entropy, mask) - entropy,
             "response_length": float(lengths.mean()),
             "batch_prompts": n // G,
             **sums,
