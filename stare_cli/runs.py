@@ -8,9 +8,10 @@ TensorBoard logs (``stare.cli.tensorboard_runs``).
 
 1. ``load_run``: one run directory -> ``Run``;
 2. per-run measures (final reward, start and late-run entropy, band share, late reward slope, late response
-   length, held-out numbers), per-benchmark numbers (``summarise_benches``) and ``summarise_arm``: the measures
-   of one arm's seeds, with their mean, sample std and count. The table (``stare.cli.tables``) and the plots
-   (``stare.cli.plots``) read these, for ``stare run`` and ``stare compare`` alike.
+   length, held-out numbers), the selection telemetry's step means (``TELEMETRY``), per-benchmark numbers
+   (``summarise_benches``) and ``summarise_arm``: the measures of one arm's seeds, with their mean, sample std
+   and count. The table (``stare.cli.tables``) and the plots (``stare.cli.plots``) read these, for
+   ``stare run`` and ``stare compare`` alike.
 
 A measure that cannot be computed (no eval.json, a key the metrics never logged, one seed for a std) is None
 and is written as a blank cell; it is never replaced by 0.
@@ -214,6 +215,25 @@ def run_measures(run: Run) -> dict:
     }
 
 
+# The selection telemetry (``stare.algorithms.METRICS``): measure name -> metrics key. Each is a run's mean over the
+# steps that logged the key (gate_on's mean is the share of steps with the gate on); None when no step did.
+TELEMETRY: dict[str, str] = {
+    "gate_on_share": "stare/gate_on",
+    "mean_weight": "stare/mean_weight",
+    "boosted_phi_pos_share": "stare/boosted_phi_pos_share",
+    "lowered_phi_pos_share": "stare/lowered_phi_pos_share",
+    "masked_share": "stare/masked_share",
+    "penalised_share": "stare/penalised_share",
+    "entropy_forecast": "stare/entropy_forecast",
+    "entropy_forecast_base": "stare/entropy_forecast_base",
+}
+
+
+def run_telemetry(run: Run) -> dict[str, float | None]:
+    """The run's ``TELEMETRY`` means over the steps that logged each key (None: never logged, not 0)."""
+    return {name: mean(values(run.metrics, key)) for name, key in TELEMETRY.items()}
+
+
 MEASURES = ("final_reward", "avg_at_k", "pass_at_k", "greedy_accuracy", "start_entropy", "late_entropy",
             "late_start_ratio", "band_share", "late_reward_slope", "hard_avg_at_k", "hard_pass_at_k",
             "hard_greedy_accuracy", "late_response_length")
@@ -267,8 +287,9 @@ def common_k(runs: list[Run]) -> int | None:
 def summarise_arm(runs: list[Run]) -> dict:
     """One arm's seeds: each run's measures and, per measure, mean, sample std and count over the seeds.
 
-    Returns ``{"arm", "n_seeds", "seeds", "k", "metrics": {measure: {"mean", "std", "n"}}, "runs": [...]}``;
-    the measures are named as in ``MEASURES`` (``avg_at_k`` etc., with ``k`` given separately).
+    Returns ``{"arm", "n_seeds", "seeds", "k", "metrics": {measure: {"mean", "std", "n"}}, "telemetry": {...},
+    "benches", "runs": [...]}``; the measures are named as in ``MEASURES`` (``avg_at_k`` etc., with ``k`` given
+    separately), the telemetry as in ``TELEMETRY`` (each run's step mean, then mean/std/n over the seeds).
     """
     if not runs:
         raise ValueError("summarise_arm needs at least one run")
@@ -285,13 +306,15 @@ def summarise_arm(runs: list[Run]) -> dict:
     for r in runs:
         planned = (r.config.get("settings") or {}).get("steps")
         per_run.append({"path": str(r.path), "seed": r.seed, "steps": r.metrics[-1]["step"],
-                        "planned_steps": planned, "has_eval": r.eval is not None, **run_measures(r)})
+                        "planned_steps": planned, "has_eval": r.eval is not None, **run_measures(r),
+                        "telemetry": run_telemetry(r)})
     return {
         "arm": runs[0].algo,
         "n_seeds": len(runs),
         "seeds": seeds,
         "k": k,
         "metrics": {name: aggregate([p[name] for p in per_run]) for name in MEASURES},
+        "telemetry": {name: aggregate([p["telemetry"][name] for p in per_run]) for name in TELEMETRY},
         "benches": summarise_benches([r.evals for r in runs]),
         "runs": per_run,
     }

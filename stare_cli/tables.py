@@ -15,6 +15,11 @@ slope (least squares over the last ``SLOPE_PCT``% of steps); then, when there ar
 pass@k and the permutation-test p against the baseline; then, when any row has ``stare eval`` outputs, avg@k
 (with its 95% interval for one run) and pass@k per benchmark and reflection words per 1k tokens. The CSV also
 has the late response length. A value that cannot be computed is a blank cell, never 0.
+
+When any run logged the selection telemetry (``stare.cli.runs.TELEMETRY``: gate-on share, mean weight, the Phi > 0
+shares of the boosted and lowered tokens, masked and penalised shares, the entropy forecast with and without the
+weights), comparison.md ends with a second table, "Selection telemetry", one row per arm, and each arm in
+comparison.json has the same numbers under ``telemetry`` (per run under ``runs[i]["telemetry"]``).
 """
 from __future__ import annotations
 
@@ -136,6 +141,42 @@ def _bench_cell(cell: dict | None, n_seeds: int) -> str:
     if cell["ci95"]:
         text += f" [{_fmt(cell['ci95'][0])}, {_fmt(cell['ci95'][1])}]"
     return text + f" (k={cell['k']})"
+
+
+# the selection telemetry table: (measure in runs.TELEMETRY, header, digits, scientific)
+TELEMETRY_COLUMNS = (("gate_on_share", "gate on", 3, False), ("mean_weight", "mean weight", 3, False),
+                     ("boosted_phi_pos_share", "boosted Phi>0", 3, False),
+                     ("lowered_phi_pos_share", "lowered Phi>0", 3, False), ("masked_share", "masked", 3, False),
+                     ("penalised_share", "penalised", 3, False), ("entropy_forecast", "forecast", 2, True),
+                     ("entropy_forecast_base", "forecast unweighted", 2, True))
+
+
+def _telemetry_cell(agg: dict, n_seeds: int, digits: int, scientific: bool) -> str:
+    if not scientific:
+        return _cell(agg, n_seeds, digits=digits)
+    if agg["mean"] is None:
+        return ""
+    text = f"{agg['mean']:+.{digits}e}" + (f" ± {agg['std']:.{digits}e}" if agg["std"] is not None else "")
+    return text + (f" (n={agg['n']})" if agg["n"] < n_seeds else "")
+
+
+def _telemetry_md(arms: list[dict]) -> list[str]:
+    """The "Selection telemetry" section of comparison.md (no lines when no arm logged any of it)."""
+    if not any(agg["n"] for a in arms for agg in a["telemetry"].values()):
+        return []
+    titles = ["arm", "seeds"] + [c[1] for c in TELEMETRY_COLUMNS]
+    md = ["", "## Selection telemetry", "", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    for a in arms:
+        cells = [a["label"], str(a["n_seeds"])] + [_telemetry_cell(a["telemetry"][c[0]], a["n_seeds"], c[2], c[3])
+                                                   for c in TELEMETRY_COLUMNS]
+        md.append("| " + " | ".join(cells) + " |")
+    md += ["", "Each run's mean over the steps that logged the metric (blank: never logged), then mean ± sample std "
+           "over seeds. gate on: share of steps with the entropy gate on (`stare/gate_on`); mean weight: mean token "
+           "weight; boosted / lowered Phi>0: of the tokens with weight > 1 / with weight < 1 or a KL-Cov penalty, "
+           "the share with Phi > 0 (entropy-raising); masked: share of tokens whose gradient is dropped; penalised: "
+           "share with a KL-Cov penalty; forecast / forecast unweighted: first-order entropy change per unit step, "
+           "token mean of w A Phi / of A Phi (`stare/entropy_forecast`, `stare/entropy_forecast_base`)."]
+    return md
 
 
 def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = ()) -> dict:
@@ -270,6 +311,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
                "evaluation whose model is the run's final/), with its 95% bootstrap interval over problems for "
                "one run, mean ± sample std over seeds for several."]
     md += ([""] + [f"- {n}" for n in notes]) if notes else []
+    md += _telemetry_md(arms)
     (out_dir / "comparison.md").write_text("\n".join(md) + "\n")
 
     # comparison.csv

@@ -26,6 +26,14 @@ TB_TAGS: dict[str, tuple[str, ...]] = {
     "stare/gate_on": ("train/stare/gate", "train/stare/gate_on"),  # the plugin's ControllerState.as_metrics: gate_on
     "stare/w": ("train/stare/w",),
     "stare/m": ("train/stare/m",),
+    # the selection telemetry (``stare.cli.runs.TELEMETRY``); runs from before issue 14 logged boosted_raise_share
+    "stare/mean_weight": ("train/stare/mean_weight",),
+    "stare/boosted_phi_pos_share": ("train/stare/boosted_phi_pos_share", "train/stare/boosted_raise_share"),
+    "stare/lowered_phi_pos_share": ("train/stare/lowered_phi_pos_share",),
+    "stare/masked_share": ("train/stare/masked_share",),
+    "stare/penalised_share": ("train/stare/penalised_share",),
+    "stare/entropy_forecast": ("train/stare/entropy_forecast",),
+    "stare/entropy_forecast_base": ("train/stare/entropy_forecast_base",),
 }
 
 EVENT_GLOB = "events.out.tfevents.*"

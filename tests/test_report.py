@@ -271,3 +271,102 @@ def test_eval_json_field_names_old_and_new():
     assert held_out({"avg_at_8": 0.5, "pass_at_8": 0.75}, 8) == {"avg_at_k": 0.5, "pass_at_k": 0.75,
                                                                  "greedy_accuracy": None}
     assert held_out({"avg_at_16": 0.5}, 8)["avg_at_k"] is None  # another k's field is not this k's
+
+
+# ---- the selection telemetry table (issue 14) -------------------------------------------------------------------
+def telemetry_table(md):
+    """comparison.md's "Selection telemetry" table: arm label -> {header: cell}."""
+    lines = md.splitlines()
+    start = lines.index("## Selection telemetry") + 2
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
+def test_selection_telemetry_by_hand(tmp_path):
+    rewards, ents = [0.5] * 4, [0.6] * 4
+    # stare seed 0: new names; step 2 (gate off) logs no boosted/lowered share, step 3 no lowered share
+    s0 = {1: {"stare/gate_on": 1, "stare/mean_weight": 1.2, "stare/boosted_phi_pos_share": 0.5,
+              "stare/lowered_phi_pos_share": 0.25, "stare/masked_share": 0.0, "stare/entropy_forecast": 1e-3,
+              "stare/entropy_forecast_base": -2e-3},
+          2: {"stare/gate_on": 0, "stare/mean_weight": 1.0, "stare/masked_share": 0.0,
+              "stare/entropy_forecast": -1e-3, "stare/entropy_forecast_base": -1e-3},
+          3: {"stare/gate_on": 1, "stare/mean_weight": 1.1, "stare/boosted_phi_pos_share": 0.75,
+              "stare/masked_share": 0.0, "stare/entropy_forecast": 2e-3, "stare/entropy_forecast_base": -3e-3},
+          4: {"stare/gate_on": 1, "stare/mean_weight": 1.3, "stare/boosted_phi_pos_share": 0.25,
+              "stare/lowered_phi_pos_share": 0.5, "stare/masked_share": 0.0, "stare/entropy_forecast": 2e-3,
+              "stare/entropy_forecast_base": -2e-3}}
+    # stare seed 1: an old run (stare/boosted_raise_share), no lowered share, no forecasts, gate off twice
+    s1 = {1: {"stare/gate_on": 0, "stare/mean_weight": 1.0},
+          2: {"stare/gate_on": 1, "stare/mean_weight": 1.4, "stare/boosted_raise_share": 0.2},
+          3: {"stare/gate_on": 1, "stare/mean_weight": 1.2, "stare/boosted_raise_share": 0.4},
+          4: {"stare/gate_on": 0, "stare/mean_weight": 1.0}}
+    # an 80-20 arm (one seed) masking tokens; a dapo arm that logged none of the telemetry
+    m = {i: {"stare/masked_share": v, "stare/mean_weight": 1 - v} for i, v in zip(range(1, 5), (0.8, 0.8, 0.7, 0.9))}
+    runs = [load_run(make_run(tmp_path, "s0", "stare", 0, rewards=rewards, entropies=ents, extra=s0)),
+            load_run(make_run(tmp_path, "s1", "stare", 1, rewards=rewards, entropies=ents, extra=s1)),
+            load_run(make_run(tmp_path, "m", "80-20", 0, rewards=rewards, entropies=ents, extra=m)),
+            load_run(make_run(tmp_path, "d", "dapo", 0, rewards=rewards, entropies=ents))]
+    summary = write_comparison(tmp_path / "out", runs)
+    arms = {a["arm"]: a["telemetry"] for a in summary["arms"]}
+
+    def mean_std(a, b):  # two seeds: mean and sample std by hand
+        mu = (a + b) / 2
+        return mu, math.sqrt((a - mu) ** 2 + (b - mu) ** 2)
+
+    expect = {  # per-seed step means written out by hand
+        "gate_on_share": mean_std(3 / 4, 2 / 4),
+        "mean_weight": mean_std((1.2 + 1.0 + 1.1 + 1.3) / 4, (1.0 + 1.4 + 1.2 + 1.0) / 4),
+        "boosted_phi_pos_share": mean_std((0.5 + 0.75 + 0.25) / 3, (0.2 + 0.4) / 2),  # the legacy name counts
+    }
+    t = arms["stare"]
+    for name, (mu, sd) in expect.items():
+        assert t[name]["mean"] == pytest.approx(mu) and t[name]["std"] == pytest.approx(sd) and t[name]["n"] == 2
+    # logged by one seed only: its mean, no std, n = 1
+    assert t["lowered_phi_pos_share"] == {"mean": pytest.approx((0.25 + 0.5) / 2), "std": None, "n": 1}
+    assert t["entropy_forecast"] == {"mean": pytest.approx(1e-3), "std": None, "n": 1}  # (1 - 1 + 2 + 2) / 4 x 1e-3
+    assert t["entropy_forecast_base"] == {"mean": pytest.approx(-2e-3), "std": None, "n": 1}
+    assert t["masked_share"] == {"mean": 0.0, "std": None, "n": 1}  # logged as 0: 0, not blank
+    assert t["penalised_share"] == {"mean": None, "std": None, "n": 0}  # never logged: None, never 0
+    assert arms["80-20"]["masked_share"]["mean"] == pytest.approx(0.8)
+    assert arms["80-20"]["gate_on_share"]["mean"] is None
+    assert all(agg["n"] == 0 for agg in arms["dapo"].values())
+    written = {a["arm"]: a for a in json.loads((tmp_path / "out" / "comparison.json").read_text())["arms"]}
+    assert written["stare"]["telemetry"]["boosted_phi_pos_share"]["std"] == pytest.approx(math.sqrt(0.02))
+    assert [r["telemetry"]["boosted_phi_pos_share"] for r in written["stare"]["runs"]] == pytest.approx([0.5, 0.3])
+    assert written["dapo"]["telemetry"]["masked_share"] == {"mean": None, "std": None, "n": 0}
+
+    rows = telemetry_table((tmp_path / "out" / "comparison.md").read_text())
+    mu, sd = expect["boosted_phi_pos_share"]
+    assert rows["stare"]["seeds"] == "2"
+    assert rows["stare"]["boosted Phi>0"] == f"{mu:.3f} ± {sd:.3f}" == "0.400 ± 0.141"
+    assert rows["stare"]["gate on"] == "0.625 ± 0.177"
+    assert rows["stare"]["lowered Phi>0"] == "0.375 (n=1)"
+    assert rows["stare"]["forecast"] == "+1.00e-03 (n=1)" and rows["stare"]["forecast unweighted"] == "-2.00e-03 (n=1)"
+    assert rows["stare"]["masked"] == "0.000 (n=1)" and rows["stare"]["penalised"] == ""
+    assert rows["80-20"]["masked"] == "0.800" and rows["80-20"]["gate on"] == ""
+    assert set(rows["dapo"].values()) == {"dapo", "1", ""}
+    assert list(rows) == [a["label"] for a in summary["arms"]]  # one row per arm, in the main table's order
+
+
+def test_main_table_unchanged_without_telemetry(tmp_path):
+    """A run without the telemetry gets no telemetry section; with it, the part before the section is the same file."""
+    rewards = LINEAR_REWARDS
+    extra = {s: {"stare/gate_on": s % 2, "stare/mean_weight": 1.1} for s in range(1, 21)}
+    ev = held_out(0.7, 0.9, 0.65)  # with eval.json: no note naming the (different) folders
+    plain = make_run(tmp_path / "a", "stare", "stare", 0, rewards=rewards, entropies=ENTROPIES, eval_=ev)
+    logged = make_run(tmp_path / "b", "stare", "stare", 0, rewards=rewards, entropies=ENTROPIES, eval_=ev,
+                      extra=extra)
+    write_comparison(tmp_path / "out_a", [load_run(plain)])
+    write_comparison(tmp_path / "out_b", [load_run(logged)])
+    md_a = (tmp_path / "out_a" / "comparison.md").read_text()
+    md_b = (tmp_path / "out_b" / "comparison.md").read_text()
+    assert "Selection telemetry" not in md_a
+    assert md_b.startswith(md_a) and md_b[len(md_a):].startswith("\n## Selection telemetry\n")
+    assert telemetry_table(md_b)["stare"]["gate on"] == "0.500"  # 10 of 20 steps
+    assert (tmp_path / "out_a" / "comparison.csv").read_bytes() == (tmp_path / "out_b" / "comparison.csv").read_bytes()
