@@ -121,3 +121,29 @@ def test_unknown_tags_and_missing_tensorboard(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard.backend.event_processing.event_accumulator", None)
     with pytest.raises(ValueError, match="needs the tensorboard package"):
         compare([tmp_path / "other"], tmp_path / "o2")
+
+
+def test_openrlhf_selection_telemetry(tmp_path):
+    """The plugin's train/stare/* telemetry (and the legacy train/stare/boosted_raise_share) feeds the table."""
+    root = tmp_path / "qwen-stare"
+    root.mkdir()
+    (root / "config.yaml").write_text(yaml.safe_dump({
+        "preset": "qwen-7b-short-cot", "backend": "openrlhf", "algo": {"name": "stare", "band_low": 0.3,
+                                                                       "band_high": 0.45}}))
+    boosted = [0.5, 0.25, 0.75]  # steps 1, 3, 4: step 2 raised no weight, so the share is absent there
+    write_scalars(root / "tensorboard" / "run", {
+        "train/stare/entropy": steps([0.9, 0.8, 0.7, 0.6]), "train/reward": steps([0.1, 0.2, 0.3, 0.4]),
+        "train/stare/gate_on": steps([1.0, 0.0, 1.0, 1.0]), "train/stare/mean_weight": steps([1.25, 1.0, 1.5, 1.25]),
+        "train/stare/boosted_raise_share": list(zip((1, 3, 4), boosted)),
+        "train/stare/entropy_forecast": steps([0.002, -0.001, 0.003, 0.004])})
+    compare([root], tmp_path / "cmp")
+    (arm,) = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["arms"]
+    t = arm["telemetry"]
+    assert t["gate_on_share"]["mean"] == pytest.approx(3 / 4)
+    assert t["mean_weight"]["mean"] == pytest.approx(5 / 4)
+    assert t["boosted_phi_pos_share"]["mean"] == pytest.approx(1.5 / 3)  # over the three steps that logged it
+    assert t["entropy_forecast"]["mean"] == pytest.approx(0.002, rel=1e-6)
+    assert t["entropy_forecast_base"]["mean"] is None and t["masked_share"]["n"] == 0  # never logged: blank
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    row = next(line for line in md.split("## Selection telemetry")[1].splitlines() if line.startswith("| stare "))
+    assert row == "| stare | 1 | 0.750 | 1.250 | 0.500 |  |  |  | +2.00e-03 |  |"
