@@ -99,8 +99,9 @@ def test_arms_of_one_algorithm_with_other_settings_are_separate_rows_with_one_co
     groups = group_arms([load_run(tmp_path / "x" / "stare"), load_run(tmp_path / "y" / "stare")])
     assert len(groups) == 2
     palette = list(range(10))
-    assert [colour(a, palette) for a in ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi")] == list(range(6))
-    assert colour(None, palette) == colour("unknown", palette) == 6
+    names = ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20")
+    assert [colour(a, palette) for a in names] == list(range(9))  # the registry's order (`stare algos`)
+    assert colour(None, palette) == colour("unknown", palette) == 9  # one colour past the registry's
 
 
 def test_a_repeated_run_is_its_own_row_not_a_duplicate_seed(tmp_path):
