@@ -309,14 +309,18 @@ for v in VARIANTS:
           f"{int(st.get('stare/stash_recomputed', 0))}")
 print(load.line())
 if args.profile:
+    from torch.utils._pytree import tree_leaves
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
 
-    SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                torch.ops.aten.masked_select.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default}
+    FIELDS = ("ops", "bytes", "new", "flops", "reads", "calls")
+    # ops that read a value back to the host (on an accelerator: a synchronisation)
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default}
 
     class OpCounter(TorchDispatchMode):
-        """Per phase: aten ops, bytes written by the non-view ones, matmul FLOPs, host reads."""
+        """Per phase: aten ops, bytes the non-view ones write (all, and into fresh tensors), matmul FLOPs, host
+        reads."""
 
         def __init__(self, phases, counts):
             super().__init__()
@@ -325,49 +329,56 @@ if args.profile:
         def __torch_dispatch__(self, func, types, a=(), kw=None):
             kw = kw or {}
             out = func(*a, **kw)
-            c = self.counts.setdefault(self.phases.current, dict.fromkeys(("ops", "bytes", "flops", "syncs", "calls"), 0))
+            c = self.counts.setdefault(self.phases.current, dict.fromkeys(FIELDS, 0))
             c["ops"] += 1
             if not func.is_view:
-                c["bytes"] += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-                                  if isinstance(t, torch.Tensor))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((a, kw)) if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        c["bytes"] += t.numel() * t.element_size()
+                        if t.untyped_storage().data_ptr() not in inputs:
+                            c["new"] += t.numel() * t.element_size()
             if func.overloadpacket in flop_registry:
                 c["flops"] += flop_registry[func.overloadpacket](*a, **kw, out_val=out)
-            c["syncs"] += func in SYNC_OPS
+            c["reads"] += func in READS
             return out
 
-    counts = {v: {} for v in VARIANTS}
-    for v in VARIANTS:
-        phases = steps[v].phases
-        with OpCounter(phases, counts[v]):
-            steps[v]()
+    def count_step(step) -> dict:
+        """One step under the op counter, then one under a Python-call counter (not both at once: the counter's
+        own calls would be counted)."""
+        counts, phases = {}, step.phases
+        with OpCounter(phases, counts):
+            step()
 
-        def tracer(frame, event, arg, phases=phases, c=counts[v]):
+        def tracer(frame, event, arg):
             if event == "call" and phases.current is not None:
-                c[phases.current]["calls"] += 1
+                counts.setdefault(phases.current, dict.fromkeys(FIELDS, 0))["calls"] += 1
 
         sys.setprofile(tracer)
         try:
-            steps[v]()
+            step()
         finally:
             sys.setprofile(None)
-    print("per phase (forward: old-log-prob forward; prepare: the plugin's once-per-step block; train: the rest of "
-          "ppo_train): thread CPU ms (median), aten ops, MB written by non-view ops, matmul GFLOP, host reads "
-          "(item/nonzero/...), Python calls")
-    print(f"{'variant':<10} {'phase':<8} {'cpu ms':>8} {'ops':>7} {'MB':>8} {'GFLOP':>8} {'reads':>6} {'py calls':>9}")
+        return counts
+
+    print("per phase (forward: the old-log-prob forward; prepare: the plugin's once-per-step block; train: the rest "
+          "of ppo_train): the thread's CPU ms (median over the repeats), and counted over one step: aten ops, MB "
+          "written by non-view ops (all; into fresh tensors), matmul GFLOP, host reads (item, nonzero, ...), Python "
+          "calls")
+    print(f"{'variant':<10} {'phase':<8} {'cpu ms':>8} {'ops':>7} {'MB':>8} {'MB new':>8} {'GFLOP':>8} {'reads':>6} "
+          f"{'py calls':>9}")
     for v in VARIANTS:
-        tot = dict.fromkeys(("ms", "ops", "bytes", "flops", "syncs", "calls"), 0)
+        counts = count_step(steps[v])
+        total = dict.fromkeys(("ms",) + FIELDS, 0)
         for p in PHASES:
-            c = counts[v].get(p)
-            if c is None:
+            if p not in counts:
                 continue
-            ms = 1e3 * median(phase_times[v][p])
-            for k in c:
-                tot[k] += c[k]
-            tot["ms"] += ms
-            print(f"{v:<10} {p:<8} {ms:8.2f} {c['ops']:7d} {c['bytes'] / 1e6:8.2f} {c['flops'] / 1e9:8.3f} "
-                  f"{c['syncs']:6d} {c['calls']:9d}")
-        print(f"{v:<10} {'step':<8} {tot['ms']:8.2f} {tot['ops']:7d} {tot['bytes'] / 1e6:8.2f} {tot['flops'] / 1e9:8.3f} "
-              f"{tot['syncs']:6d} {tot['calls']:9d}")
+            c = {"ms": 1e3 * median(phase_times[v][p]), **counts[p]}
+            for k in total:
+                total[k] += c[k]
+            for name, c in ((p, c),) + ((("step", total),) if p == "train" else ()):
+                print(f"{v:<10} {name:<8} {c['ms']:8.2f} {c['ops']:7d} {c['bytes'] / 1e6:8.2f} {c['new'] / 1e6:8.2f} "
+                      f"{c['flops'] / 1e9:8.3f} {c['reads']:6d} {c['calls']:9d}")
 if args.quick:
     print("  --quick: toy sizes, a smoke test; the ratios mean nothing")
 print(json.dumps({v: round(r, 4) for v, r in ratios.items()}, sort_keys=True))
