@@ -207,15 +207,19 @@ def entropy_sensitivity(
                 z = z / temperature
             logp = torch.log_softmax(z, dim=-1)
             del z
+            logp_a = logp.gather(-1, flat_actions[start:end, None]).squeeze(-1)
             p = logp.exp()
-            p_logp = p * logp
+            # two [rows, V] buffers besides logp (one without Phi), reused in place: the same products and sums
+            # as p * logp, vecdot(p, p) and vecdot(p, p * logp), bit for bit, with fewer fresh allocations
+            if phi is not None:
+                scratch = p * p
+                sum_p2 = scratch.sum(dim=-1)
+            p_logp = logp.mul_(p)  # logp is not needed past the gather: p log p takes its place
             h = -p_logp.sum(dim=-1)
             if phi is not None:
-                sum_p2 = torch.linalg.vecdot(p, p)
-                sum_p2_logp = torch.linalg.vecdot(p, p_logp)
-            del p_logp
-            logp_a = logp.gather(-1, flat_actions[start:end, None]).squeeze(-1)
-            del logp, p
+                sum_p2_logp = torch.mul(p, p_logp, out=scratch).sum(dim=-1)
+                del scratch
+            del p_logp, logp, p
             s_a = -logp_a
             entropy[start:end] = h
             surprisal[start:end] = s_a

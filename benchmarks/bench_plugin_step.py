@@ -12,11 +12,17 @@ small strategy object (backward, an SGD step), the same for every variant. Varia
 - ``stare-phi``: the plugin, Phi-sign selection, band gate forced on.
 
 Each variant has its own model (same seed) and the learning rate is 0, so every repeat trains on the same
-weights and the gate stays on. Repeats are interleaved; medians. Targets (idle 2-core machine):
+weights and the gate stays on. The n-th step of every variant draws the same shuffle of the replay buffer (hence
+the same micro-batches and padding). Repeats are interleaved; medians. Targets (idle 2-core machine):
 grpo <= 1.03, stare <= 1.05, stare-phi <= 1.10 times OpenRLHF's own step.
 
-    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1] [--clock wall|cpu]
-        [--telemetry full|entropy|off] [--quick]
+    python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1]
+        [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--profile] [--quick]
+
+``--clock thread`` times the benchmark thread's own CPU (with one torch thread every op runs on it), which
+other processes disturb least. ``--profile`` adds a table per variant and phase of counts that do not depend on
+the machine's load (aten ops, bytes written, matmul FLOPs, host reads, Python calls) beside each phase's CPU
+time.
 
 The last line is one JSON object ``{"grpo": r, "stare": r, "stare-phi": r}`` of the ratios to OpenRLHF's own.
 """
@@ -34,7 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
-from _timing import BackgroundLoad, interleaved_times, median, verdict
+from _timing import BackgroundLoad, median, verdict
 
 TARGETS = {"grpo": 1.03, "stare": 1.05, "stare-phi": 1.10}
 VARIANTS = ("openrlhf", "grpo", "stare", "stare-phi")
@@ -50,11 +56,17 @@ parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (d
 parser.add_argument("--response-len", type=int, default=48, help="longest response (default 48)")
 parser.add_argument("--micro-batch", type=int, default=4, help="train and rollout micro-batch (default 4)")
 parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="wall (default) or this process's CPU time (less disturbed by other load; 1 thread)")
+parser.add_argument("--clock", choices=["wall", "cpu", "thread"], default="wall",
+                    help="wall (default), this process's CPU time, or the benchmark thread's own CPU time "
+                         "(time.thread_time: with --threads 1 every op runs on it; least disturbed by other load)")
 parser.add_argument("--telemetry", choices=["full", "entropy", "off"], default="full",
                     help="the plugin variants' telemetry setting (default full: entropy, Phi, shares)")
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
+parser.add_argument("--profile", action="store_true",
+                    help="also count, per variant and phase (old-log-prob forward, the plugin's once-per-step "
+                         "block, the rest of ppo_train), what does not depend on machine load: aten ops, bytes "
+                         "the non-view ops write, matmul FLOPs, host reads (item/nonzero), Python calls; and the "
+                         "thread's CPU seconds per phase (medians over the repeats)")
 args = parser.parse_args()
 if args.quick:
     args.repeats, args.warmup, args.vocab, args.hidden = 2, 1, 1024, 32
@@ -179,28 +191,80 @@ def make_trainer(variant):
     return trainer
 
 
+PHASES = ("forward", "prepare", "train")  # old-log-prob forward, the plugin's once-per-step block, the rest
+
+
+class Phases:
+    """Which phase of a step is running (nested: ``prepare`` runs inside ``train``), the benchmark thread's CPU
+    seconds per phase, and a counter hook for the profile passes (``count(phase)`` is called by them)."""
+
+    def __init__(self):
+        self.stack, self.seconds, self.t0 = [], {}, 0.0
+
+    def __call__(self, name):
+        phases = self
+
+        class _Ctx:
+            def __enter__(self):
+                now = time.thread_time()
+                if phases.stack:
+                    top = phases.stack[-1]
+                    phases.seconds[top] = phases.seconds.get(top, 0.0) + now - phases.t0
+                phases.stack.append(name)
+                phases.t0 = now
+
+            def __exit__(self, *exc):
+                now = time.thread_time()
+                top = phases.stack.pop()
+                phases.seconds[top] = phases.seconds.get(top, 0.0) + now - phases.t0
+                phases.t0 = now
+
+        return _Ctx()
+
+    @property
+    def current(self):
+        return self.stack[-1] if self.stack else None
+
+
 def make_step(variant, rollouts):
     trainer = make_trainer(variant)
     status = {}
+    phases = Phases()
+    if variant != "openrlhf":
+        prepare = trainer.stare_prepare_step
+
+        def timed_prepare():
+            with phases("prepare"):
+                return prepare()
+
+        trainer.stare_prepare_step = timed_prepare
 
     def step():
+        phases.seconds = {}
         trainer.replay_buffer.items.clear()
-        for batch in rollouts:
-            exp = copy.copy(batch)
-            exp.info = dict(batch.info)
-            # the driver's old-log-prob forward, one call per rollout micro-batch (PolicyModelActor.forward)
-            trainer.actor.eval()
-            with torch.no_grad():
-                if variant == "openrlhf":
-                    lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
-                else:
-                    lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
-            trainer.actor.train()
-            exp.action_log_probs = lp * exp.action_mask
-            trainer.replay_buffer.append(exp)
+        with phases("forward"):
+            for batch in rollouts:
+                exp = copy.copy(batch)
+                exp.info = dict(batch.info)
+                # the driver's old-log-prob forward, one call per rollout micro-batch (PolicyModelActor.forward)
+                trainer.actor.eval()
+                with torch.no_grad():
+                    if variant == "openrlhf":
+                        lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
+                    else:
+                        lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+                trainer.actor.train()
+                exp.action_log_probs = lp * exp.action_mask
+                trainer.replay_buffer.append(exp)
         status.clear()
-        status.update(trainer.ppo_train(0.0))
+        # ppo_train shuffles the buffer (global RNG) and pads each micro-batch to its longest sample: the same
+        # seed for every variant's n-th step gives them the same micro-batches, so the ratio compares like with like
+        torch.manual_seed(1000 + step.calls)
+        step.calls += 1
+        with phases("train"):
+            status.update(trainer.ppo_train(0.0))
 
+    step.phases, step.calls = phases, 0
     return step, status
 
 
@@ -209,19 +273,22 @@ steps, statuses = {}, {}
 for v in VARIANTS:
     steps[v], statuses[v] = make_step(v, rollouts)
 load = BackgroundLoad()
-if args.clock == "wall":
-    times = interleaved_times(steps, repeats=args.repeats, warmup=args.warmup)
-else:  # the same interleaving as _timing.interleaved_times, on the process's CPU clock
-    for _ in range(args.warmup):
-        for v in VARIANTS:
-            steps[v]()
-    times = {v: [] for v in VARIANTS}
-    for i in range(args.repeats):
-        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            gc.collect()
-            t0 = time.process_time()
-            steps[v]()
-            times[v].append(time.process_time() - t0)
+# the same interleaving as _timing.interleaved_times (A B .. then .. B A), on the chosen clock; each timed call
+# also leaves its phases' thread CPU seconds
+clock = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}[args.clock]
+for _ in range(args.warmup):
+    for v in VARIANTS:
+        steps[v]()
+times = {v: [] for v in VARIANTS}
+phase_times = {v: {p: [] for p in PHASES} for v in VARIANTS}
+for i in range(args.repeats):
+    for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+        gc.collect()
+        t0 = clock()
+        steps[v]()
+        times[v].append(clock() - t0)
+        for p in PHASES:
+            phase_times[v][p].append(steps[v].phases.seconds.get(p, 0.0))
 
 size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
         f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
@@ -241,6 +308,77 @@ for v in VARIANTS:
     print(f"{v:<10} {m:9.4f} {ratios[v]:7.3f} {TARGETS[v]:7.2f}  {verdict(ratios[v], TARGETS[v]):<7}  {gate:<4}  "
           f"{int(st.get('stare/stash_recomputed', 0))}")
 print(load.line())
+if args.profile:
+    from torch.utils._pytree import tree_leaves
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    FIELDS = ("ops", "bytes", "new", "flops", "reads", "calls")
+    # ops that read a value back to the host (on an accelerator: a synchronisation)
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default}
+
+    class OpCounter(TorchDispatchMode):
+        """Per phase: aten ops, bytes the non-view ones write (all, and into fresh tensors), matmul FLOPs, host
+        reads."""
+
+        def __init__(self, phases, counts):
+            super().__init__()
+            self.phases, self.counts = phases, counts
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            kw = kw or {}
+            out = func(*a, **kw)
+            c = self.counts.setdefault(self.phases.current, dict.fromkeys(FIELDS, 0))
+            c["ops"] += 1
+            if not func.is_view:
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((a, kw)) if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        c["bytes"] += t.numel() * t.element_size()
+                        if t.untyped_storage().data_ptr() not in inputs:
+                            c["new"] += t.numel() * t.element_size()
+            if func.overloadpacket in flop_registry:
+                c["flops"] += flop_registry[func.overloadpacket](*a, **kw, out_val=out)
+            c["reads"] += func in READS
+            return out
+
+    def count_step(step) -> dict:
+        """One step under the op counter, then one under a Python-call counter (not both at once: the counter's
+        own calls would be counted)."""
+        counts, phases = {}, step.phases
+        with OpCounter(phases, counts):
+            step()
+
+        def tracer(frame, event, arg):
+            if event == "call" and phases.current is not None:
+                counts.setdefault(phases.current, dict.fromkeys(FIELDS, 0))["calls"] += 1
+
+        sys.setprofile(tracer)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+        return counts
+
+    print("per phase (forward: the old-log-prob forward; prepare: the plugin's once-per-step block; train: the rest "
+          "of ppo_train): the thread's CPU ms (median over the repeats), and counted over one step: aten ops, MB "
+          "written by non-view ops (all; into fresh tensors), matmul GFLOP, host reads (item, nonzero, ...), Python "
+          "calls")
+    print(f"{'variant':<10} {'phase':<8} {'cpu ms':>8} {'ops':>7} {'MB':>8} {'MB new':>8} {'GFLOP':>8} {'reads':>6} "
+          f"{'py calls':>9}")
+    for v in VARIANTS:
+        counts = count_step(steps[v])
+        total = dict.fromkeys(("ms",) + FIELDS, 0)
+        for p in PHASES:
+            if p not in counts:
+                continue
+            c = {"ms": 1e3 * median(phase_times[v][p]), **counts[p]}
+            for k in total:
+                total[k] += c[k]
+            for name, c in ((p, c),) + ((("step", total),) if p == "train" else ()):
+                print(f"{v:<10} {name:<8} {c['ms']:8.2f} {c['ops']:7d} {c['bytes'] / 1e6:8.2f} {c['new'] / 1e6:8.2f} "
+                      f"{c['flops'] / 1e9:8.3f} {c['reads']:6d} {c['calls']:9d}")
 if args.quick:
     print("  --quick: toy sizes, a smoke test; the ratios mean nothing")
 print(json.dumps({v: round(r, 4) for v, r in ratios.items()}, sort_keys=True))

@@ -308,3 +308,30 @@ def test_micro_batch_scope_without_phi_selects_the_same_tokens(monkeypatch):
     for (ka, wa), (kb, wb) in zip(by_batch["full"], by_batch["entropy"]):
         assert ka == kb and torch.equal(wa, wb)
     assert any((w != 1.0).any() for _, w in seen["full"])
+
+
+def test_batch_keys_are_the_replay_buffers_keys():
+    """_sample_keys (one reduction for the batch, used by the old-log-prob forward) gives each row the key the
+    replay buffer's unpadded sample has, and the right padding remove_padding_in_sequences strips."""
+    from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch
+
+    exp = _left_padded(base._experience(base._model()))
+    exp.attention_mask[1, -3:] = 0  # more right padding on one row
+    exp.sequences[1, -3:] = 0
+    exp.action_mask[1, -3:] = False
+    items = remove_padding_in_sequences(split_experience_batch(copy.deepcopy(exp)))
+    keys = plugin._sample_keys(exp.sequences, exp.attention_mask)
+    assert len(keys) == B
+    for b, item in enumerate(items):
+        key, right = keys[b]
+        assert plugin._sample_key(item.sequences, item.attention_mask) == (key, 0)
+        assert item.sequences.shape[0] == exp.sequences.shape[1] - right
+
+
+def test_pad_rows_pads_each_row_to_the_width():
+    rows = [torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0, 5.0, 6.0])]
+    out = plugin._pad_rows(rows, 5, 1.0)
+    want = torch.tensor([[1, 2, 1, 1, 1], [3, 1, 1, 1, 1], [4, 5, 6, 1, 1]], dtype=torch.float32)
+    assert torch.equal(out, want)
+    mask = plugin._pad_rows([torch.tensor([True, False]), torch.tensor([True])], 2, 0)
+    assert mask.dtype == torch.bool and mask.tolist() == [[True, False], [True, False]]

@@ -158,9 +158,28 @@ _LOSS_SIGNATURE = inspect.signature(PolicyLoss.forward)
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
-    out = torch.full((len(rows), width), fill, dtype=rows[0].dtype, device=rows[0].device)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
+    """[len(rows), width]: row i is ``rows[i]`` (1-D, at most ``width`` long) followed by ``fill``."""
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill)  # one op, not one per row
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=fill)
+    return out
+
+
+def _sample_keys(sequences: torch.Tensor, attention: torch.Tensor) -> list[tuple[bytes, int]]:
+    """``_sample_key`` of every row of a batch [B, T] (CPU tensors): one reduction and one conversion for the
+    whole batch, then a hash per row."""
+    if sequences.shape[1] == 0:
+        return [_sample_key(sequences[b], attention[b]) for b in range(sequences.shape[0])]
+    right_pads = attention.flip(1).argmax(1).tolist()  # per row, as in _sample_key (first maximum)
+    seq_np = sequences.to(torch.int64).numpy()
+    attn_np = attention.to(torch.int64).numpy()
+    out = []
+    for b, right_pad in enumerate(right_pads):
+        n = attention.shape[1] - right_pad
+        h = hashlib.blake2b(digest_size=20)
+        h.update(seq_np[b, :n].tobytes())
+        h.update(attn_np[b, :n].tobytes())
+        out.append((h.digest(), right_pad))
     return out
 
 
@@ -299,13 +318,11 @@ class StareActorTrainer(ActorPPOTrainer):
                               **mm_inputs)
         log_probs, ent, phi = self._stare_forward_stats(sequences, action_mask, attention_mask, need_phi,
                                                         **mm_inputs)
-        seq_cpu, attn_cpu = sequences.cpu(), attention_mask.cpu()
         width = action_mask.shape[1]
-        for b in range(sequences.shape[0]):
-            key, right_pad = _sample_key(seq_cpu[b], attn_cpu[b])
+        for b, (key, right_pad) in enumerate(_sample_keys(sequences.cpu(), attention_mask.cpu())):
             n = max(0, width - right_pad)
-            self._stare_stash[key] = (self._stare_version, ent[b, :n].clone(),
-                                      None if phi is None else phi[b, :n].clone())
+            # views into this call's [B, T] statistics (small, float32), not copies
+            self._stare_stash[key] = (self._stare_version, ent[b, :n], None if phi is None else phi[b, :n])
         return log_probs
 
     def _stare_step_stats(self, items) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
