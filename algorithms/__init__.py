@@ -5,7 +5,7 @@ the same code; ``stare_step`` (``step.py``) is the once-per-step block both engi
 lists the telemetry names with their meanings. See docs/algorithm.md for the mathematics.
 """
 from ._checks import check_finite
-from .baselines import clip_cov_weights, entropy_top_weights, floor_count, kl_cov_coefs, token_covariance
+from .baselines import clip_cov_seed, clip_cov_weights, entropy_top_weights, floor_count, kl_cov_coefs, token_covariance
 from .advantages import group_advantages, informative_groups, overlong_penalty
 from .controllers import BandGate, ControllerState, PaperGate
 from .entropy import (EntropyStats, entropy_forecast_sums, entropy_sensitivity, masked_mean, predicted_entropy_change,
@@ -19,7 +19,7 @@ from .step import (LEGACY_NAMES, METRIC_NAMES, METRICS, StepMemory, StepResult, 
 __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "LEGACY_NAMES", "METRICS", "METRIC_NAMES", "SETTING_NAMES", "TOKEN_RULES",
     "AlgoConfig", "BandGate", "ControllerState", "EntropyStats", "PaperGate", "StepMemory", "StepResult",
-    "batch_mean", "check_finite", "clip_cov_weights", "entropy_forecast_sums", "entropy_sensitivity",
+    "batch_mean", "check_finite", "clip_cov_seed", "clip_cov_weights", "entropy_forecast_sums", "entropy_sensitivity",
     "entropy_top_weights", "floor_count", "get_algorithm", "group_advantages", "informative_groups", "kl_cov_coefs",
     "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss", "predicted_entropy_change",
     "quadrant_stats", "quadrant_sums", "reweight_stats", "reweight_sums", "stare_step", "stare_token_weights",

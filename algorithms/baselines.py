@@ -26,6 +26,7 @@ only when a ``group`` is given.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -40,6 +41,14 @@ def floor_count(ratio: float, n: int) -> int:
     if n <= 0:
         return 0
     return min(n, max(1, math.floor(round(ratio * n, 9))))
+
+
+def clip_cov_seed(*parts: int) -> int:
+    """A seed for Clip-Cov's random keys from the run's numbers (the run seed; the OpenRLHF plugin adds the rank and
+    the step): a hash of them, so the stream is unrelated to any generator seeded with the numbers themselves and
+    streams of neighbouring ranks and steps are unrelated to each other."""
+    text = "stare-clip-cov:" + ":".join(str(int(p)) for p in parts)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:

@@ -29,7 +29,6 @@ have different states), and is otherwise seeded again from the seed and the step
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -44,6 +43,7 @@ from stare.algorithms import (
     AlgoConfig,
     StepMemory,
     batch_mean,
+    clip_cov_seed,
     entropy_sensitivity,
     group_advantages,
     informative_groups,
@@ -62,13 +62,6 @@ from ..rundir import RunDirError, atomic_write as _atomic_write, check_run_dir, 
 
 CHECKPOINT = "checkpoint"
 FINAL = "final"
-
-
-def clip_cov_seed(seed: int) -> int:
-    """The seed of Clip-Cov's own generator for a run seeded ``seed`` (a hash of it, so its stream is unrelated to
-    the sampling generator's, which is seeded with ``seed`` itself)."""
-    h = hashlib.blake2b(f"stare-clip-cov:{seed}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2**63 - 1)
 
 
 def warmstart_name(device: torch.device, base: str = "warmstart") -> str:

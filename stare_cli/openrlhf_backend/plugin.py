@@ -70,6 +70,7 @@ from stare.algorithms import (  # noqa: E402
     AlgoConfig,
     EntropyStats,
     StepMemory,
+    clip_cov_seed,
     entropy_sensitivity,
     reweight_stats,
     stare_step,
@@ -176,10 +177,7 @@ def _sample_keys(sequences: torch.Tensor, attention: torch.Tensor) -> list[tuple
     out = []
     for b, right_pad in enumerate(right_pads):
         n = attention.shape[1] - right_pad
-        h = hashlib.blake2b(digest_size=20)
-        h.update(seq_np[b, :n].tobytes())
-        h.update(attn_np[b, :n].tobytes())
-        out.append((h.digest(), right_pad))
+        out.append((_key_digest(seq_np[b, :n], attn_np[b, :n]), right_pad))
     return out
 
 
@@ -189,17 +187,15 @@ def _sample_key(sequence: torch.Tensor, attention: torch.Tensor) -> tuple[bytes,
     count: the position of the last attended token from the end)."""
     right_pad = int(attention.flip(0).argmax()) if attention.numel() else 0
     n = attention.shape[0] - right_pad
+    return _key_digest(sequence[:n].to(torch.int64).numpy(), attention[:n].to(torch.int64).numpy()), right_pad
+
+
+def _key_digest(token_ids, attention) -> bytes:
+    """The stash key of one sample: a hash of its unpadded token ids and attention mask (int64 numpy arrays)."""
     h = hashlib.blake2b(digest_size=20)
-    h.update(sequence[:n].to(torch.int64).numpy().tobytes())
-    h.update(attention[:n].to(torch.int64).numpy().tobytes())
-    return h.digest(), right_pad
-
-
-def clip_cov_seed(seed: int, rank: int, step: int) -> int:
-    """The seed of Clip-Cov's generator on ``rank`` at ``step`` (0-based) of a run seeded ``seed``: a hash of the
-    three, so streams of neighbouring ranks and steps are unrelated."""
-    h = hashlib.blake2b(f"stare-clip-cov:{seed}:{rank}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2**63 - 1)
+    h.update(token_ids.tobytes())
+    h.update(attention.tobytes())
+    return h.digest()
 
 
 class StareActorTrainer(ActorPPOTrainer):
