@@ -115,19 +115,19 @@ def _warmstart(runs: list[Run], k: int | None) -> dict | None:
             "metrics": {name: aggregate([p[name] for p in per_seed]) for name in per_seed[0]}}
 
 
-def _fmt(x: float | None, signed: bool = False, digits: int = 3) -> str:
+def _fmt(x: float | None, signed: bool = False, digits: int = 3, scientific: bool = False) -> str:
     if x is None:
         return ""
-    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+    return f"{x:{'+' if signed else ''}.{digits}{'e' if scientific else 'f'}}"
 
 
-def _cell(agg: dict | None, n_seeds: int, signed: bool = False, digits: int = 3) -> str:
+def _cell(agg: dict | None, n_seeds: int, signed: bool = False, digits: int = 3, scientific: bool = False) -> str:
     """``mean ± std`` (``mean`` alone for one value), with ``(n=…)`` when some seeds lack the measure."""
     if not agg or agg["mean"] is None:
         return ""
-    text = _fmt(agg["mean"], signed, digits)
+    text = _fmt(agg["mean"], signed, digits, scientific)
     if agg["std"] is not None:
-        text += f" ± {_fmt(agg['std'], digits=digits)}"
+        text += f" ± {_fmt(agg['std'], digits=digits, scientific=scientific)}"
     if agg["n"] < n_seeds:
         text += f" (n={agg['n']})"
     return text
@@ -143,21 +143,12 @@ def _bench_cell(cell: dict | None, n_seeds: int) -> str:
     return text + f" (k={cell['k']})"
 
 
-# the selection telemetry table: (measure in runs.TELEMETRY, header, digits, scientific)
+# the selection telemetry table: (measure in runs.TELEMETRY, header, digits, scientific: signed, as +1.00e-03)
 TELEMETRY_COLUMNS = (("gate_on_share", "gate on", 3, False), ("mean_weight", "mean weight", 3, False),
                      ("boosted_phi_pos_share", "boosted Phi>0", 3, False),
                      ("lowered_phi_pos_share", "lowered Phi>0", 3, False), ("masked_share", "masked", 3, False),
                      ("penalised_share", "penalised", 3, False), ("entropy_forecast", "forecast", 2, True),
                      ("entropy_forecast_base", "forecast unweighted", 2, True))
-
-
-def _telemetry_cell(agg: dict, n_seeds: int, digits: int, scientific: bool) -> str:
-    if not scientific:
-        return _cell(agg, n_seeds, digits=digits)
-    if agg["mean"] is None:
-        return ""
-    text = f"{agg['mean']:+.{digits}e}" + (f" ± {agg['std']:.{digits}e}" if agg["std"] is not None else "")
-    return text + (f" (n={agg['n']})" if agg["n"] < n_seeds else "")
 
 
 def _telemetry_md(arms: list[dict]) -> list[str]:
@@ -167,8 +158,8 @@ def _telemetry_md(arms: list[dict]) -> list[str]:
     titles = ["arm", "seeds"] + [c[1] for c in TELEMETRY_COLUMNS]
     md = ["", "## Selection telemetry", "", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for a in arms:
-        cells = [a["label"], str(a["n_seeds"])] + [_telemetry_cell(a["telemetry"][c[0]], a["n_seeds"], c[2], c[3])
-                                                   for c in TELEMETRY_COLUMNS]
+        cells = [a["label"], str(a["n_seeds"])] + [_cell(a["telemetry"][c[0]], a["n_seeds"], signed=c[3], digits=c[2],
+                                                         scientific=c[3]) for c in TELEMETRY_COLUMNS]
         md.append("| " + " | ".join(cells) + " |")
     md += ["", "Each run's mean over the steps that logged the metric (blank: never logged), then mean ± sample std "
            "over seeds. gate on: share of steps with the entropy gate on (`stare/gate_on`); mean weight: mean token "
