@@ -27,8 +27,11 @@ import torch
 
 from ._checks import broadcast_advantages, check_choice, check_range, check_same_shape
 
-# Default chunk: about 4M logits (16 MB per float32 buffer) whatever the vocabulary size.
+# Default chunk, whatever the vocabulary size: about 1M logits (4 MB per float32 buffer) on CPU, where a chunk that
+# stays in cache is faster (768 x 16,384 logits on the project's 2-core machine: 13.5 ms in 64-row chunks, 19.7 ms in
+# 256-row ones); about 4M (16 MB) on other devices, where fewer, larger launches count more.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
+DEFAULT_CHUNK_ELEMENTS_CPU = 1 << 20
 KERNELS = ("auto", "torch", "triton")
 
 
@@ -163,9 +166,9 @@ def entropy_sensitivity(
 
     ``logits`` may be any strided view (it is never copied whole) in any float dtype; the outputs are float32
     ``[...]``. ``temperature`` divides the logits first (the gate wants the entropy at the sampling
-    temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 4M logits per
-    chunk), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA
-    when it imports, else torch). No host synchronisation on either path. ``with_phi=False`` returns
+    temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 1M logits per
+    chunk on CPU, 4M elsewhere), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored) or ``"auto"``
+    (triton on CUDA when it imports, else torch). No host synchronisation on either path. ``with_phi=False`` returns
     ``phi=None`` and, on the torch path, skips Phi's two reductions over the vocabulary (entropy and surprisal are
     the same numbers either way); for callers that need only the gate's entropy.
     """
@@ -184,7 +187,8 @@ def entropy_sensitivity(
     flat_actions = actions.reshape(-1).to(torch.long)  # [N] ints: small, a copy is fine
     n = flat_actions.shape[0]
     if chunk_size is None:
-        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
+        per_chunk = DEFAULT_CHUNK_ELEMENTS_CPU if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+        chunk_size = max(1, per_chunk // max(vocab, 1))
     check_range("chunk_size", chunk_size, 1, None)
 
     entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -205,20 +209,20 @@ def entropy_sensitivity(
             z = _rows(logits, start, end).to(torch.float32).contiguous()
             if temperature != 1.0:
                 z = z / temperature
-            logp = torch.log_softmax(z, dim=-1)
+            # one exponential per logit (softmax): the log-normaliser comes from p's largest entry, which is
+            # exp(z_max - lse) >= 1 / V, so its log is accurate; log p = z - lse then costs a subtraction, not a
+            # second pass of exp (log_softmax followed by exp computed the exponentials twice)
+            p = torch.softmax(z, dim=-1)
+            lse = z.amax(dim=-1) - p.amax(dim=-1).log()
+            logp = torch.sub(z, lse[:, None])
             del z
             logp_a = logp.gather(-1, flat_actions[start:end, None]).squeeze(-1)
-            p = logp.exp()
-            # two [rows, V] buffers besides logp (one without Phi), reused in place: the same products and sums
-            # as p * logp, vecdot(p, p) and vecdot(p, p * logp), bit for bit, with fewer fresh allocations
             if phi is not None:
-                scratch = p * p
-                sum_p2 = scratch.sum(dim=-1)
-            p_logp = logp.mul_(p)  # logp is not needed past the gather: p log p takes its place
+                sum_p2 = torch.linalg.vector_norm(p, dim=-1).square()  # a reduction, no [rows, V] product
+            p_logp = logp.mul_(p)  # log p is not needed past the gather: p log p takes its place
             h = -p_logp.sum(dim=-1)
             if phi is not None:
-                sum_p2_logp = torch.mul(p, p_logp, out=scratch).sum(dim=-1)
-                del scratch
+                sum_p2_logp = p_logp.mul_(p).sum(dim=-1)  # and p^2 log p takes p log p's
             del p_logp, logp, p
             s_a = -logp_a
             entropy[start:end] = h

@@ -194,17 +194,47 @@ def _large_buffers(fn, rows: int, vocab: int) -> int:
 
 
 def test_torch_path_allocates_few_chunk_buffers():
-    """Per chunk, the torch path holds log p, p and (with Phi) one scratch buffer, written in place, instead of a
-    fresh [rows, V] tensor per product (the old path allocated 5 with Phi, 3 without); the numbers are the float64
-    formula's."""
+    """Per chunk, the torch path holds p and log p (which becomes p log p, then p^2 log p, in place), with or without
+    Phi, instead of a fresh [rows, V] tensor per product (an older path allocated 5 with Phi, 3 without); the numbers
+    are the float64 formula's."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 500, generator=g) * 4
     actions = torch.randint(0, 500, (6,), generator=g)
-    for with_phi, most in ((True, 3), (False, 2)):
+    for with_phi in (True, False):
         assert _large_buffers(lambda: entropy_sensitivity(logits, actions, kernel="torch", with_phi=with_phi),
-                              6, 500) <= most
+                              6, 500) == 2
     h, s_a, phi = naive_stats(logits, actions)
     st = entropy_sensitivity(logits, actions, kernel="torch")
     torch.testing.assert_close(st.entropy.double(), h, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(st.surprisal.double(), s_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(st.phi.double(), phi, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_path_takes_one_exponential_per_logit():
+    """The exponential is the costly part on CPU: one softmax over each chunk, and no other op that exponentiates or
+    takes logs over [rows, V] (log_softmax followed by exp did it twice). Counted, not timed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    transcendental = ("softmax", "log_softmax", "exp", "log", "logsumexp", "xlogy", "special_entr")
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            big = any(isinstance(t, torch.Tensor) and t.numel() >= 3 * 700
+                      for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+            name = func.overloadpacket.__name__.lstrip("_").rstrip("_")
+            if big and name in transcendental:
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 3, 700, generator=g) * 3
+    actions = torch.randint(0, 700, (4, 3), generator=g)
+    for with_phi in (True, False):
+        seen.clear()
+        with Ops():
+            st = entropy_sensitivity(logits, actions, chunk_size=3, kernel="torch", with_phi=with_phi)
+        assert seen == ["softmax"] * 4, (with_phi, seen)  # 12 rows in chunks of 3
+        h, s_a, phi = naive_stats(logits.view(12, 700), actions.view(12))
+        torch.testing.assert_close(st.entropy.view(12).double(), h, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.surprisal.view(12).double(), s_a, atol=1e-5, rtol=1e-5)
