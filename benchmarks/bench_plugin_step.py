@@ -9,12 +9,16 @@ small strategy object (backward, an SGD step), the same for every variant. Varia
 - ``openrlhf``: OpenRLHF's own trainer and loss (no plugin);
 - ``grpo``: the plugin with a baseline (telemetry only; ``--telemetry``, default ``full``);
 - ``stare``: the plugin, O1, gate forced on (target entropy 100);
-- ``stare-phi``: the plugin, Phi-sign selection, band gate forced on.
+- ``stare-phi``: the plugin, Phi-sign selection, band gate forced on;
+- ``openrlhf again``: OpenRLHF's own step once more, timed like the others: the run's noise floor.
 
-Each variant has its own model (same seed) and the learning rate is 0, so every repeat trains on the same
+All variants share one model and optimizer (the same weights at the same addresses; with a model each, layout
+alone moved identical steps by several percent) and the learning rate is 0, so every repeat trains on the same
 weights and the gate stays on. The n-th step of every variant draws the same shuffle of the replay buffer (hence
-the same micro-batches and padding). Repeats are interleaved; medians. Targets (idle 2-core machine):
-grpo <= 1.03, stare <= 1.05, stare-phi <= 1.10 times OpenRLHF's own step.
+the same micro-batches and padding). Repeats are interleaved; medians. glibc is told to keep freed memory in the
+process (``_timing.keep_freed_memory``): otherwise each step page-faults its multi-MB buffers back in, which cost
+a quarter of the step and most of the noise here. Targets (idle 2-core machine): grpo <= 1.03, stare <= 1.05,
+stare-phi <= 1.10 times OpenRLHF's own step.
 
     python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1]
         [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--profile] [--quick]
@@ -40,10 +44,13 @@ from types import SimpleNamespace
 
 import torch
 
-from _timing import BackgroundLoad, median, verdict
+from _timing import BackgroundLoad, keep_freed_memory, median, verdict
+
+ALLOCATOR = keep_freed_memory()
 
 TARGETS = {"grpo": 1.03, "stare": 1.05, "stare-phi": 1.10}
 VARIANTS = ("openrlhf", "grpo", "stare", "stare-phi")
+AGAIN = "openrlhf again"  # OpenRLHF's own step timed a second time: the run's own noise floor (ideal ratio 1)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--repeats", type=int, default=7, help="timed steps per variant (default 7)")
@@ -172,18 +179,23 @@ def make_rollouts():
     return out
 
 
+SHARED = {}  # one actor and optimizer for every variant: the same weights at the same addresses
+
+
 def make_trainer(variant):
     cfg = openrlhf_standins.openrlhf_args()
-    actor = Actor(make_model())
-    actor.packing_samples = False
-    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
+    if not SHARED:
+        SHARED["actor"] = Actor(make_model())
+        SHARED["actor"].packing_samples = False
+        SHARED["optim"] = torch.optim.SGD(SHARED["actor"].parameters(), lr=0.0)
+    actor, optim = SHARED["actor"], SHARED["optim"]
     gas = max(1, args.samples // args.micro_batch)  # one optimizer step per RL step
     _DEVICE[0] = 0
     trainer = ppo_actor.ActorPPOTrainer(Strategy(cfg, gas), actor, None, optim, Sched(),
                                         micro_train_batch_size=args.micro_batch, buffer_cpu_offload=False,
                                         dataloader_pin_memory=False)
     _DEVICE[0] = "cpu"
-    if variant != "openrlhf":
+    if variant not in ("openrlhf", AGAIN):
         over = {"stare": {"target_entropy": 100.0}, "stare-phi": {"band_low": 99.0, "band_high": 100.0}}
         algo = get_algorithm(variant, telemetry=args.telemetry, **over.get(variant, {}))
         trainer = plugin.install(SimpleNamespace(trainer=trainer),
@@ -230,7 +242,7 @@ def make_step(variant, rollouts):
     trainer = make_trainer(variant)
     status = {}
     phases = Phases()
-    if variant != "openrlhf":
+    if variant not in ("openrlhf", AGAIN):
         prepare = trainer.stare_prepare_step
 
         def timed_prepare():
@@ -249,7 +261,7 @@ def make_step(variant, rollouts):
                 # the driver's old-log-prob forward, one call per rollout micro-batch (PolicyModelActor.forward)
                 trainer.actor.eval()
                 with torch.no_grad():
-                    if variant == "openrlhf":
+                    if variant in ("openrlhf", AGAIN):
                         lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
                     else:
                         lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
@@ -269,20 +281,21 @@ def make_step(variant, rollouts):
 
 
 rollouts = make_rollouts()
+TIMED = VARIANTS + (AGAIN,)
 steps, statuses = {}, {}
-for v in VARIANTS:
+for v in TIMED:
     steps[v], statuses[v] = make_step(v, rollouts)
 load = BackgroundLoad()
 # the same interleaving as _timing.interleaved_times (A B .. then .. B A), on the chosen clock; each timed call
 # also leaves its phases' thread CPU seconds
 clock = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}[args.clock]
 for _ in range(args.warmup):
-    for v in VARIANTS:
+    for v in TIMED:
         steps[v]()
-times = {v: [] for v in VARIANTS}
-phase_times = {v: {p: [] for p in PHASES} for v in VARIANTS}
+times = {v: [] for v in TIMED}
+phase_times = {v: {p: [] for p in PHASES} for v in TIMED}
 for i in range(args.repeats):
-    for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+    for v in (TIMED if i % 2 == 0 else TIMED[::-1]):
         gc.collect()
         t0 = clock()
         steps[v]()
@@ -294,19 +307,22 @@ size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens,
         f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
         f"telemetry {args.telemetry}")
 print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
-print(f"{'variant':<10} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
+print(f"{'variant':<14} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
 base = median(times["openrlhf"])
 ratios = {}
-for v in VARIANTS:
+for v in TIMED:
     m = median(times[v])
     st = statuses[v]
-    if v == "openrlhf":
-        print(f"{v:<10} {m:9.4f} {1.0:7.3f} {'':>7}")
+    if v in ("openrlhf", AGAIN):
+        print(f"{v:<14} {m:9.4f} {m / base:7.3f}")
         continue
     ratios[v] = m / base
     gate = {1.0: "on", 0.0: "off"}.get(st.get("stare/gate_on"), "-")
-    print(f"{v:<10} {m:9.4f} {ratios[v]:7.3f} {TARGETS[v]:7.2f}  {verdict(ratios[v], TARGETS[v]):<7}  {gate:<4}  "
+    print(f"{v:<14} {m:9.4f} {ratios[v]:7.3f} {TARGETS[v]:7.2f}  {verdict(ratios[v], TARGETS[v]):<7}  {gate:<4}  "
           f"{int(st.get('stare/stash_recomputed', 0))}")
+print(f"  noise floor: '{AGAIN}' is OpenRLHF's own step timed a second time in the same interleaving; its distance "
+      "from 1 is how far this run's ratios can move by chance")
+print(f"  {ALLOCATOR}")
 print(load.line())
 if args.profile:
     from torch.utils._pytree import tree_leaves
