@@ -51,6 +51,7 @@ ALLOCATOR = keep_freed_memory()
 TARGETS = {"grpo": 1.03, "stare": 1.05, "stare-phi": 1.10}
 VARIANTS = ("openrlhf", "grpo", "stare", "stare-phi")
 AGAIN = "openrlhf again"  # OpenRLHF's own step timed a second time: the run's own noise floor (ideal ratio 1)
+OWN = ("openrlhf", AGAIN)  # the variants that run OpenRLHF's own trainer, without the plugin
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--repeats", type=int, default=7, help="timed steps per variant (default 7)")
@@ -179,23 +180,22 @@ def make_rollouts():
     return out
 
 
-SHARED = {}  # one actor and optimizer for every variant: the same weights at the same addresses
+def make_actor():
+    """The one actor and optimizer every variant trains (the same weights at the same addresses)."""
+    actor = Actor(make_model())
+    actor.packing_samples = False
+    return actor, torch.optim.SGD(actor.parameters(), lr=0.0)
 
 
-def make_trainer(variant):
+def make_trainer(variant, actor, optim):
     cfg = openrlhf_standins.openrlhf_args()
-    if not SHARED:
-        SHARED["actor"] = Actor(make_model())
-        SHARED["actor"].packing_samples = False
-        SHARED["optim"] = torch.optim.SGD(SHARED["actor"].parameters(), lr=0.0)
-    actor, optim = SHARED["actor"], SHARED["optim"]
     gas = max(1, args.samples // args.micro_batch)  # one optimizer step per RL step
     _DEVICE[0] = 0
     trainer = ppo_actor.ActorPPOTrainer(Strategy(cfg, gas), actor, None, optim, Sched(),
                                         micro_train_batch_size=args.micro_batch, buffer_cpu_offload=False,
                                         dataloader_pin_memory=False)
     _DEVICE[0] = "cpu"
-    if variant not in ("openrlhf", AGAIN):
+    if variant not in OWN:
         over = {"stare": {"target_entropy": 100.0}, "stare-phi": {"band_low": 99.0, "band_high": 100.0}}
         algo = get_algorithm(variant, telemetry=args.telemetry, **over.get(variant, {}))
         trainer = plugin.install(SimpleNamespace(trainer=trainer),
@@ -238,11 +238,11 @@ class Phases:
         return self.stack[-1] if self.stack else None
 
 
-def make_step(variant, rollouts):
-    trainer = make_trainer(variant)
+def make_step(variant, rollouts, actor, optim):
+    trainer = make_trainer(variant, actor, optim)
     status = {}
     phases = Phases()
-    if variant not in ("openrlhf", AGAIN):
+    if variant not in OWN:
         prepare = trainer.stare_prepare_step
 
         def timed_prepare():
@@ -261,7 +261,7 @@ def make_step(variant, rollouts):
                 # the driver's old-log-prob forward, one call per rollout micro-batch (PolicyModelActor.forward)
                 trainer.actor.eval()
                 with torch.no_grad():
-                    if variant in ("openrlhf", AGAIN):
+                    if variant in OWN:
                         lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
                     else:
                         lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
@@ -281,10 +281,11 @@ def make_step(variant, rollouts):
 
 
 rollouts = make_rollouts()
+actor, optim = make_actor()
 TIMED = VARIANTS + (AGAIN,)
 steps, statuses = {}, {}
 for v in TIMED:
-    steps[v], statuses[v] = make_step(v, rollouts)
+    steps[v], statuses[v] = make_step(v, rollouts, actor, optim)
 load = BackgroundLoad()
 # the same interleaving as _timing.interleaved_times (A B .. then .. B A), on the chosen clock; each timed call
 # also leaves its phases' thread CPU seconds
@@ -313,7 +314,7 @@ ratios = {}
 for v in TIMED:
     m = median(times[v])
     st = statuses[v]
-    if v in ("openrlhf", AGAIN):
+    if v in OWN:
         print(f"{v:<14} {m:9.4f} {m / base:7.3f}")
         continue
     ratios[v] = m / base
