@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from ._checks import check_choice, check_range
 from .controllers import BandGate, PaperGate
+from .entropy import KERNELS
 from .loss import AGGREGATIONS
 from .selection import SELECTIONS, VARIANTS
 
@@ -62,6 +63,9 @@ class AlgoConfig:
     gain: float = 1.0
     two_sided: bool = False
     telemetry: str = "full"  # one of TELEMETRY (baselines too)
+    # which entropy_sensitivity kernel computes the per-token statistics (entropy.KERNELS): auto picks the fused
+    # Triton kernel on CUDA and the eager torch one elsewhere; compiled fuses them with torch.compile (any device)
+    stats_kernel: str = "auto"
     # the entropy baselines' token rule (one of TOKEN_RULES; 80-20 reuses top_ratio)
     token_rule: str = "none"
     clip_ratio: float = 2e-4  # clip-cov: share of the response tokens whose gradient is dropped
@@ -85,6 +89,7 @@ class AlgoConfig:
         check_choice("scope", self.scope, SCOPES)
         check_choice("controller", self.controller, CONTROLLERS)
         check_choice("telemetry", self.telemetry, TELEMETRY)
+        check_choice("stats_kernel", self.stats_kernel, KERNELS)
         check_range("top_ratio", self.top_ratio, 0, 1)
         check_range("damp", self.damp, 0, None, low_open=True)
         if self.phi_cap is not None:

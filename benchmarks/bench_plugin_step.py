@@ -69,6 +69,9 @@ parser.add_argument("--clock", choices=["wall", "cpu", "thread"], default="wall"
                          "(time.thread_time: with --threads 1 every op runs on it; least disturbed by other load)")
 parser.add_argument("--telemetry", choices=["full", "entropy", "off"], default="full",
                     help="the plugin variants' telemetry setting (default full: entropy, Phi, shares)")
+parser.add_argument("--kernel", choices=["auto", "torch", "compiled"], default="auto",
+                    help="the plugin's stats_kernel (default auto: the eager torch kernel on CPU; compiled: the "
+                         "torch.compile'd fused kernel, compiled in the warm-up steps)")
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
 parser.add_argument("--profile", action="store_true",
                     help="also count, per variant and phase (old-log-prob forward, the plugin's once-per-step "
@@ -197,7 +200,7 @@ def make_trainer(variant, actor, optim):
     _DEVICE[0] = "cpu"
     if variant not in OWN:
         over = {"stare": {"target_entropy": 100.0}, "stare-phi": {"band_low": 99.0, "band_high": 100.0}}
-        algo = get_algorithm(variant, telemetry=args.telemetry, **over.get(variant, {}))
+        algo = get_algorithm(variant, telemetry=args.telemetry, stats_kernel=args.kernel, **over.get(variant, {}))
         trainer = plugin.install(SimpleNamespace(trainer=trainer),
                                  {SETTINGS_ENV: json.dumps({"algo": algo.to_dict(), "run": "bench"})})
     return trainer
@@ -306,7 +309,7 @@ for i in range(args.repeats):
 
 size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
         f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
-        f"telemetry {args.telemetry}")
+        f"telemetry {args.telemetry}, stats kernel {args.kernel}")
 print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
 print(f"{'variant':<14} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
 base = median(times["openrlhf"])

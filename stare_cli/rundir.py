@@ -71,13 +71,17 @@ LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True}
 
 
 def _comparable(config: dict) -> dict:
-    """A run's settings less ``device``: where a local run computes may change when it is resumed (a checkpoint
-    saved on a GPU resumes on CPU), and folders from before the setting have none. Local settings newer than the
-    folder read as ``LOCAL_SETTINGS_BEFORE``."""
+    """A run's settings less ``device`` and the algorithm's ``stats_kernel``: where and with which kernel a run
+    computes may change when it is resumed (a checkpoint saved on a GPU resumes on CPU; the kernels differ only in
+    rounding), and folders from before those settings have none. Local settings newer than the folder read as
+    ``LOCAL_SETTINGS_BEFORE``."""
     settings = {k: v for k, v in (config.get("settings") or {}).items() if k != "device"}
     if config.get("backend") == "local":
         settings = {**LOCAL_SETTINGS_BEFORE, **settings}
-    return {**config, "settings": settings}
+    out = {**config, "settings": settings}
+    if isinstance(config.get("algo"), dict):
+        out["algo"] = {k: v for k, v in config["algo"].items() if k != "stats_kernel"}
+    return out
 
 
 def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:

@@ -1,8 +1,9 @@
-"""entropy_sensitivity's two kernels against an independent float64 full-softmax computation.
+"""entropy_sensitivity's three kernels against an independent float64 full-softmax computation.
 
 The torch path runs as is; the fused Triton kernel runs on CPU through Triton's interpreter (TRITON_INTERPRET=1,
 set by the ``triton_kernel`` fixture before the kernel module is (re)imported), which executes every program in
-Python: the Triton cases are kept to a few hundred rows. Also: strided views are read without a full copy
+Python: the Triton cases are kept to a few hundred rows. The compiled kernel is really compiled (TorchInductor's
+C++ code for the CPU), once per input kind, which takes seconds. Also: strided views are read without a full copy
 (allocation sizes recorded with a TorchDispatchMode), and the kernel choice.
 """
 import importlib
@@ -55,7 +56,7 @@ def interpreter():
     importlib.reload(module)
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=["torch", "triton", "compiled"])
 def kernel(request):
     if request.param == "triton":
         request.getfixturevalue("interpreter")
@@ -122,6 +123,11 @@ def test_chunk_and_block_boundaries(kernel, request):
         for chunk in (1, 2, 3, 7, 100):
             assert_matches(entropy_sensitivity(logits, actions, chunk_size=chunk, kernel="torch"), logits, actions)
         return
+    if kernel == "compiled":  # no blocks: each row in one vectorised loop, with a tail when V % the width != 0
+        for v in (37, 16, 17, 64, 100):
+            z = torch.cat([logits] * 3, dim=-1)[:, :v]
+            assert_matches(entropy_sensitivity(z, actions % v, kernel="compiled"), z, actions % v)
+        return
     module = request.getfixturevalue("interpreter")
     for block_v in (8, 16, 32, 64):  # 37 = 4 x 8 + 5 = 2 x 16 + 5 = 32 + 5 = one partial block of 64
         out = [torch.empty(7) for _ in range(3)]
@@ -151,9 +157,12 @@ def test_strided_views_and_shapes(kernel):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the deliberate inf and NaN rows
-def test_triton_neg_inf_logits_and_bad_actions(interpreter):
+@pytest.mark.parametrize("fused", ["triton", "compiled"])
+def test_fused_kernels_neg_inf_logits_and_bad_actions(fused, request):
     """-inf entries (a masked vocabulary) count as p = 0 (an action on one has s_a = inf and Phi its p_a -> 0 limit);
     an action id outside [0, V) gives NaN, not a wild read; an all -inf row gives NaN."""
+    if fused == "triton":
+        request.getfixturevalue("interpreter")
     g = torch.Generator().manual_seed(15)
     logits = torch.randn(4, 300, generator=g) * 2
     logits[0, :260] = float("-inf")  # whole first block masked: the running max starts at -inf
@@ -162,19 +171,19 @@ def test_triton_neg_inf_logits_and_bad_actions(interpreter):
     actions = torch.tensor([280, 7, 1, 299])
     for dtype in (torch.float32, torch.bfloat16):
         z = logits.to(dtype)
-        assert_matches(entropy_sensitivity(z, actions, kernel="triton"), z, actions)
+        assert_matches(entropy_sensitivity(z, actions, kernel=fused), z, actions)
     on_masked = torch.tensor([3, 200, 0, 5])  # actions whose logit is -inf (not row 3): s_a = inf, Phi = -sum p^2 (s - H)
-    stats = entropy_sensitivity(logits, on_masked, kernel="triton")
+    stats = entropy_sensitivity(logits, on_masked, kernel=fused)
     assert torch.isinf(stats.surprisal[:3]).all()
     assert_matches(stats, logits, on_masked)
-    bad = entropy_sensitivity(logits[3:], torch.tensor([300]), kernel="triton")
+    bad = entropy_sensitivity(logits[3:], torch.tensor([300]), kernel=fused)
     assert torch.isnan(bad.surprisal).all() and torch.isnan(bad.phi).all()
     assert bad.entropy.item() == pytest.approx(reference(logits[3:], torch.tensor([0]))[0].item(), abs=1e-5)
-    nothing = entropy_sensitivity(torch.full((1, 300), float("-inf")), torch.tensor([1]), kernel="triton")
+    nothing = entropy_sensitivity(torch.full((1, 300), float("-inf")), torch.tensor([1]), kernel=fused)
     assert all(torch.isnan(t).all() for t in nothing)  # no distribution at all, as on the torch path
     with_nan = logits[3:].clone()
     with_nan[0, 123] = float("nan")
-    assert all(torch.isnan(t).all() for t in entropy_sensitivity(with_nan, torch.tensor([1]), kernel="triton"))
+    assert all(torch.isnan(t).all() for t in entropy_sensitivity(with_nan, torch.tensor([1]), kernel=fused))
 
 
 def test_strided_logits_are_never_copied_whole():
@@ -228,11 +237,11 @@ def test_torch_path_numbers_do_not_depend_on_the_layout():
 def test_kernel_choice(monkeypatch):
     logits = torch.randn(3, 10)
     actions = torch.zeros(3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"unknown kernel 'cuda'; valid choices: auto, torch, triton"):
+    with pytest.raises(ValueError, match=r"unknown kernel 'cuda'; valid choices: auto, torch, triton, compiled"):
         entropy_sensitivity(logits, actions, kernel="cuda")
     with pytest.raises(ValueError, match=r"actions must be on the logits' device: logits cpu, actions meta"):
         entropy_sensitivity(logits, actions.to("meta"))  # a kernel would read a pointer of the wrong device
-    assert KERNELS == ("auto", "torch", "triton")
+    assert KERNELS == ("auto", "torch", "triton", "compiled")
     assert _resolve_kernel("auto", torch.device("cpu")) == "torch"
     auto = entropy_sensitivity(logits, actions)
     assert all(torch.equal(a, b) for a, b in zip(auto, entropy_sensitivity(logits, actions, kernel="torch")))

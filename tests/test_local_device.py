@@ -125,6 +125,19 @@ def test_a_run_resumes_on_another_device_but_not_with_other_settings(tmp_path):
             old["settings"]["device"] = device
         (out / "config.yaml").write_text(json.dumps(old))
         assert check_run_dir(out, res, resume=True) is True
+    # nor on another statistics kernel (they differ in rounding only), or from before that setting existed
+    for kernel in ("compiled", None):
+        if kernel is None:
+            del old["algo"]["stats_kernel"]
+        else:
+            old["algo"]["stats_kernel"] = kernel
+        (out / "config.yaml").write_text(json.dumps(old))
+        assert check_run_dir(out, res, resume=True) is True
+    old["algo"]["w"] = 1.3  # an algorithm setting is another run
+    (out / "config.yaml").write_text(json.dumps(old))
+    with pytest.raises(RunDirError, match="other settings"):
+        check_run_dir(out, res, resume=True)
+    old["algo"]["w"] = res["algo"]["w"]
     old["settings"]["lr"] = 0.5
     (out / "config.yaml").write_text(json.dumps(old))
     with pytest.raises(RunDirError, match="other settings"):

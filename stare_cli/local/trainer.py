@@ -194,7 +194,8 @@ class LocalTrainer:
         mask = batch.action_mask.float()
         if rewards is None:  # no informative group: log the old policy's entropy, no update
             with torch.no_grad():
-                h = entropy_sensitivity(response_logits(self.model, batch, self.s["temperature"]), batch.responses)
+                h = entropy_sensitivity(response_logits(self.model, batch, self.s["temperature"]), batch.responses,
+                                        kernel=self.algo.stats_kernel)
             entropy = batch_mean(h.entropy, mask)
             rec.update({"skipped": True, "stare/entropy": entropy, **self.memory.change_metrics(entropy),
                         "stare/entropy_change_same_batch": 0.0,
@@ -214,7 +215,7 @@ class LocalTrainer:
         with torch.no_grad():
             logits = response_logits(self.model, batch, temp)
             old_logprobs = token_logprobs(logits, actions)
-            stats = entropy_sensitivity(logits, actions)
+            stats = entropy_sensitivity(logits, actions, kernel=self.algo.stats_kernel)
         del logits
 
         # the split: mini-batches (one optimizer step each) of micro-batches (accumulated with global counts)
@@ -254,7 +255,8 @@ class LocalTrainer:
             self.opt.step()
         if self.s.get("same_batch_entropy", True):  # one more no-grad forward (absent in old configs: on)
             with torch.no_grad():
-                new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions).entropy
+                new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions,
+                                                  kernel=self.algo.stats_kernel).entropy
             rec["stare/entropy_change_same_batch"] = batch_mean(new_entropy, mask) - entropy
         rec.update({
             "response_length": float(lengths.mean()),
