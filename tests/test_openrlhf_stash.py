@@ -131,6 +131,36 @@ def test_the_stash_never_serves_a_row_from_before_an_update(monkeypatch):
     assert trainer.stare_stash_report["recomputed"] == B
 
 
+@pytest.mark.parametrize("kernel", ["torch", "compiled"])
+def test_statistics_come_from_the_models_own_logits_at_the_rollout_temperature(monkeypatch, kernel):
+    """The statistics are taken by a hook on the model, before ``Actor.forward`` divides the logits by the
+    temperature in place: they must still be those of the temperature-scaled policy, OpenRLHF's log-probs must be
+    unchanged bit for bit, and the hook must be gone afterwards."""
+    model = base._model()
+    exp = base._experience(model)
+    base._settings_env(monkeypatch, "stare-phi", stats_kernel=kernel)
+    trainer = base._install(base._trainer(monkeypatch, base._model(), base._args()))
+    trainer.actor.temperature = 0.7
+    with torch.no_grad():
+        own = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
+    hooks_before = dict(trainer.actor.model._forward_hooks)
+    log_probs, ent, phi = trainer._stare_forward_stats(exp.sequences, exp.action_mask, exp.attention_mask)
+    assert torch.equal(log_probs, own)
+    assert dict(trainer.actor.model._forward_hooks) == hooks_before
+    with torch.no_grad():
+        logits = model(exp.sequences, attention_mask=exp.attention_mask,
+                       position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.double() / 0.7
+    h, la, want_phi = _stats_from_rows(logits[:, :-1][:, -RESP:], exp.sequences[:, 1:][:, -RESP:])
+    mask = exp.action_mask.bool()
+    assert torch.allclose(la[mask], own.double()[mask], atol=1e-5)  # the brute force is at the same temperature
+    assert torch.allclose(ent.double()[mask], h[mask], atol=2e-5)
+    assert torch.allclose(phi.double()[mask], want_phi[mask], atol=2e-5)
+    assert (ent[~mask] == 0).all() and (phi[~mask] == 0).all()
+    # and the temperature is visible at that tolerance: the statistics at temperature 1 are far from these
+    h_at_1 = _stats_from_rows(logits[:, :-1][:, -RESP:] * 0.7, exp.sequences[:, 1:][:, -RESP:])[0]
+    assert (ent.double()[mask] - h_at_1[mask]).abs().min() > 100 * 2e-5
+
+
 @pytest.mark.parametrize("algo", ["grpo", "stare", "stare-phi"])
 def test_telemetry_setting_limits_what_is_computed(monkeypatch, algo):
     model = base._model()

@@ -9,9 +9,10 @@ How it plugs in (one seam: OpenRLHF's Ray policy actor):
   built the model, optimizer and trainer, it turns the trainer into a ``StareActorTrainer`` and the trainer's
   parsed ``PolicyLoss`` into a ``StarePolicyLoss`` (same settings: clip low/high, dual clip, token-level
   loss, GSPO, importance-sampling correction), and loads the controller's state when resuming.
-- ``StarePolicyModelActor.forward`` is OpenRLHF's old-log-prob forward; from the same logits it computes each
+- ``StarePolicyModelActor.forward`` is OpenRLHF's old-log-prob forward; from the same logits (read by a
+  one-shot forward hook on the model, in the model's dtype, before OpenRLHF's float32 copy) it computes each
   response token's entropy (and Phi when needed) on the action rows only (``stare.algorithms.
-  entropy_sensitivity``, chunked; never OpenRLHF's full-vocabulary entropy) and stashes them per sample, keyed
+  entropy_sensitivity``; never OpenRLHF's full-vocabulary entropy) and stashes them per sample, keyed
   by a hash of the sample's unpadded token ids and mask. ``StareActorTrainer.ppo_train`` runs once per RL step
   over the step's whole replay buffer *before* any update: it looks the rows up (fetching rows other
   data-parallel ranks stashed; an extra no-grad forward only for samples found nowhere, in lockstep), the
@@ -257,45 +258,64 @@ class StareActorTrainer(ActorPPOTrainer):
         for the old log-probs) and, from the same logits, each action position's entropy and Phi.
 
         Returns (action_log_probs [B, A], entropy [B, A], phi [B, A] or None), zero where ``action_mask`` is.
-        The statistics are computed on the action rows only, each run of consecutive action rows a
-        contiguous view of the logits (no copy of [B, T, V]); with packing (and ring attention) on this
-        rank's packed rows, then gathered and unpadded the way ``Actor.forward`` unpads its log-probs.
+        The statistics are taken by a one-shot forward hook on the model, from its logits as it returns them:
+        before ``Actor.forward`` copies them to float32 and divides them by the temperature (in place), so the
+        kernel reads the model's own dtype (bf16 on GPUs: half the bytes of that copy) while the logits are
+        still in cache, and applies the temperature itself. The logits are only read, never changed, so
+        OpenRLHF's log-probs stay its own. Action rows only, each run of consecutive action rows a contiguous
+        view (no copy of [B, T, V]); with packing (and ring attention) on this rank's packed rows, then
+        gathered and unpadded the way ``Actor.forward`` unpads its log-probs.
         """
         if need_phi is None:
             need_phi = self._stare_needs()[1]
         ring = self.strategy.ring_attn_group
-        log_probs, output = self.actor(sequences, action_mask, attention_mask, return_output=True,
-                                       ring_attn_group=ring, **mm_inputs)
-        logits = output["logits"]  # float32, already divided by the rollout temperature
         batch, seqlen = sequences.shape
         width = action_mask.shape[1]
         # which logits row predicts an action token: row t predicts token t + 1 (Actor.forward's roll)
         grid = torch.zeros(batch, seqlen, dtype=torch.long, device=sequences.device)
         grid[:, seqlen - 1 - width: seqlen - 1] = action_mask.long()
         if self.actor.packing_samples:
-            # the same packing (and ring slice) as the model's input: one call, as Actor.forward made it
+            # the same packing (and ring slice) as the model's input: one call, as Actor.forward makes it
             _, _, actions, pad_len, indices = unpad_and_slice_tensor(sequences, attention_mask, ring)
             rows = grid.reshape(-1)[indices].view(1, -1)
             if ring is not None:
                 rows, _ = get_tensor_in_current_ring_attn_rank(rows, ring, 0)
         else:
             rows, actions = grid, torch.roll(sequences, shifts=-1, dims=1)
-        vocab = logits.shape[-1]
-        flat = logits.reshape(-1, vocab)  # the model's own [*, V] output: contiguous, so a view
         rows, actions = rows.reshape(-1).bool(), actions.reshape(-1)
-        ent = torch.zeros(rows.shape[0], dtype=torch.float32, device=logits.device)
-        phi = torch.zeros_like(ent) if need_phi else None
         # runs of consecutive action rows (statistics are per row, so runs may span samples)
         edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8),
                            append=rows.new_zeros(1, dtype=torch.int8)).nonzero().view(-1).tolist()
-        for start, end in zip(edges[0::2], edges[1::2]):
-            st = entropy_sensitivity(flat[start:end], actions[start:end], with_phi=phi is not None)
-            ent[start:end] = st.entropy
-            if phi is not None:
-                phi[start:end] = st.phi
-        del output, logits, flat
+        temperature = float(getattr(self.actor, "temperature", 1.0) or 1.0)
+        kernel = self.stare_cfg.stats_kernel
+        taken = {}
+
+        def take_stats(module, args, output):
+            logits = output["logits"]
+            flat = logits.reshape(-1, logits.shape[-1])  # the model's own [*, V] output: contiguous, so a view
+            if flat.shape[0] != rows.shape[0]:
+                raise RuntimeError(f"STARE: the model returned {flat.shape[0]} logits rows, expected "
+                                   f"{rows.shape[0]} (OpenRLHF {OPENRLHF_VERSION}'s Actor.forward layout)")
+            ent = torch.zeros(rows.shape[0], dtype=torch.float32, device=logits.device)
+            phi = torch.zeros_like(ent) if need_phi else None
+            for start, end in zip(edges[0::2], edges[1::2]):
+                st = entropy_sensitivity(flat[start:end], actions[start:end], temperature=temperature,
+                                         kernel=kernel, with_phi=phi is not None)
+                ent[start:end] = st.entropy
+                if phi is not None:
+                    phi[start:end] = st.phi
+            taken["stats"] = (ent, phi)
+
+        handle = self.actor.model.register_forward_hook(take_stats)
+        try:
+            log_probs = self.actor(sequences, action_mask, attention_mask, ring_attn_group=ring, **mm_inputs)
+        finally:
+            handle.remove()
+        if "stats" not in taken:
+            raise RuntimeError(f"STARE: OpenRLHF's Actor.forward did not call its model (OpenRLHF {OPENRLHF_VERSION} "
+                               "does); the entropy statistics could not be taken")
         out = []
-        for t in (ent, phi):
+        for t in taken.pop("stats"):
             if t is not None:
                 if self.actor.packing_samples:
                     t = gather_and_pad_tensor(t.view(1, -1), ring, pad_len, indices, batch, seqlen)
