@@ -18,6 +18,9 @@ back-to-back calls (launch overhead amortised) and printed as effective read ban
 at 8192 x 151,936 bf16 on one H200 (reading the logits once at the HBM bandwidth takes about 0.58 ms); the
 verdict is printed only at that size.
 
+With ``--kernel compiled`` (any device) a ``compiled`` row adds ``entropy_sensitivity(..., kernel="compiled")``
+beside the chunked one, compiled in the warm-up (and, for its memory, on a toy input before the inputs exist).
+
 A third row, ``full-grad``, is the entropy path OpenRLHF 0.11.2 takes in training when ``--actor.entropy_coef``
 is set: full-vocabulary float32 softmax entropy inside the autograd graph (what the STARE plugin avoids). It is
 reported beside the others, without a target.
@@ -25,7 +28,7 @@ reported beside the others, without a target.
 Targets: chunked extra memory <= 0.2 x naive extra memory; chunked time <= 1.2 x naive time.
 
     python benchmarks/bench_entropy.py [--repeats 5] [--mem-repeats 3] [--device cpu|cuda] [--dtype fp32|bf16]
-                                       [--kernel torch|triton|both]
+                                       [--kernel torch|triton|both|compiled]
     # the fused kernel's target: 8192 rows of Qwen's vocabulary, bf16, torch and triton side by side
     python benchmarks/bench_entropy.py --device cuda --n 8192 --dtype bf16 --kernel both
     # the GPU check at real size: 8 x 4096 tokens, Qwen's vocabulary, bf16 logits
@@ -57,13 +60,14 @@ parser.add_argument("--n", type=int, default=1024, help="positions (rows of logi
 parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
 parser.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per variant for memory (default 3)")
 parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the logits (default fp32)")
-parser.add_argument("--kernel", choices=["torch", "triton", "both"], default="torch",
-                    help="entropy_sensitivity kernel(s) to measure: torch (chunked, default), triton (fused, CUDA) or both")
-parser.add_argument("--worker", choices=["chunked", "triton", "naive", "full-grad"], help=argparse.SUPPRESS)
+parser.add_argument("--kernel", choices=["torch", "triton", "both", "compiled"], default="torch",
+                    help="entropy_sensitivity kernel(s) to measure: torch (chunked, default), triton (fused, CUDA), "
+                         "both (torch and triton), or compiled (torch and the torch.compile'd kernel, any device)")
+parser.add_argument("--worker", choices=["chunked", "triton", "compiled", "naive", "full-grad"], help=argparse.SUPPRESS)
 args = parser.parse_args()
-if args.kernel != "torch" and args.device.split(":")[0] != "cuda":
+if args.kernel in ("triton", "both") and args.device.split(":")[0] != "cuda":
     parser.exit(2, f"bench_entropy.py: error: --kernel {args.kernel} needs --device cuda (the Triton kernel runs "
-                   "on CUDA; valid on CPU: --kernel torch)\n")
+                   "on CUDA; valid on CPU: --kernel torch or compiled)\n")
 
 from stare.algorithms import entropy_sensitivity  # noqa: E402
 
@@ -111,6 +115,10 @@ def fused(logits: torch.Tensor, actions: torch.Tensor):
     return tuple(entropy_sensitivity(logits, actions, kernel="triton"))
 
 
+def compiled(logits: torch.Tensor, actions: torch.Tensor):
+    return tuple(entropy_sensitivity(logits, actions, kernel="compiled"))
+
+
 def full_grad(logits: torch.Tensor, actions: torch.Tensor):
     """Entropy as OpenRLHF computes it for an entropy loss: float32 softmax over the whole vocabulary, kept in
     the autograd graph (its saved tensors stay alive while the result does)."""
@@ -119,8 +127,9 @@ def full_grad(logits: torch.Tensor, actions: torch.Tensor):
     return (torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1),)
 
 
-VARIANTS = {"chunked": chunked, "triton": fused, "naive": naive, "full-grad": full_grad}
-measured = (["chunked"] if args.kernel in ("torch", "both") else []) + (["triton"] if args.kernel != "torch" else [])
+VARIANTS = {"chunked": chunked, "triton": fused, "compiled": compiled, "naive": naive, "full-grad": full_grad}
+measured = {"torch": ["chunked"], "triton": ["triton"], "both": ["chunked", "triton"],
+            "compiled": ["chunked", "compiled"]}[args.kernel]
 
 
 def current_rss_bytes() -> int:
@@ -134,6 +143,10 @@ def peak_rss_bytes() -> int:
 
 # ---- worker: one variant, once, in a fresh process; prints its extra peak memory as JSON ----------------
 if args.worker:
+    if args.worker == "compiled":  # compile first, on a toy input (the graph for V > 4096, as the real one), so the
+        # compiler's own transient memory is behind the high-water mark of the inputs and not counted as the call's
+        toy = torch.randn(2, 8192, device=device).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        VARIANTS["compiled"](toy, torch.zeros(2, dtype=torch.long, device=device))
     logits, actions = make_inputs(args.n, args.vocab, device)
     if args.worker == "triton":  # the first call autotunes (Triton's benchmarking allocates a cache-flush buffer)
         VARIANTS["triton"](logits, actions)
@@ -262,7 +275,7 @@ result = {
 }
 verdicts = []
 for v in measured:
-    prefix = "" if v == "chunked" else "triton_"  # the chunked path keeps its original field names
+    prefix = "" if v == "chunked" else f"{v}_"  # the chunked path keeps its original field names
     result.update({
         f"{prefix}max_abs_diff": diffs[v],
         f"{v}_extra_mib": memory[v]["extra_bytes"] / mib,
