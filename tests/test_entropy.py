@@ -194,8 +194,10 @@ def _large_buffers(fn, rows: int, vocab: int) -> int:
 
 
 def test_torch_path_allocates_few_chunk_buffers():
-    """Per chunk, the torch path holds p and log p (which becomes p log p, then p^2 log p, in place), with or without
-    Phi, instead of a fresh [rows, V] tensor per product (an older path allocated 5 with Phi, 3 without); the numbers
+    """The torch path holds p and log p (which becomes p log p, then p^2 log p, in place), with or without Phi,
+    instead of a fresh [rows, V] tensor per product (an older path allocated 5 with Phi, 3 without), and the two
+    buffers serve every chunk of the call (fresh ones per chunk page-fault in again when the allocator has handed
+    them back); bf16 logits and a temperature are converted into the log p buffer, not a third one. The numbers
     are the float64 formula's."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 500, generator=g) * 4
@@ -203,6 +205,12 @@ def test_torch_path_allocates_few_chunk_buffers():
     for with_phi in (True, False):
         assert _large_buffers(lambda: entropy_sensitivity(logits, actions, kernel="torch", with_phi=with_phi),
                               6, 500) == 2
+        for x, temperature in ((logits, 1.0), (logits, 0.7), (logits.to(torch.bfloat16), 1.0), (logits[:, ::2], 1.3)):
+            # three chunks of two rows: still two [2, V] buffers in all
+            a = actions % x.shape[-1]
+            assert _large_buffers(lambda: entropy_sensitivity(x, a, kernel="torch", with_phi=with_phi, chunk_size=2,
+                                                              temperature=temperature),
+                                  2, x.shape[-1]) == 2, (x.dtype, temperature)
     h, s_a, phi = naive_stats(logits, actions)
     st = entropy_sensitivity(logits, actions, kernel="torch")
     torch.testing.assert_close(st.entropy.double(), h, atol=1e-5, rtol=1e-5)
