@@ -118,21 +118,16 @@ def test_a_run_resumes_on_another_device_but_not_with_other_settings(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     old = json.loads(json.dumps(res))
-    for device in ("cuda", None):  # started on a GPU; a folder from before the setting (no device at all)
-        if device is None:
-            del old["settings"]["device"]
+    # started on a GPU, or a folder from before the setting (no device at all); likewise another statistics
+    # kernel (they differ in rounding only), or a folder from before that setting
+    for section, key, value in (("settings", "device", "cuda"), ("settings", "device", None),
+                                ("algo", "stats_kernel", "compiled"), ("algo", "stats_kernel", None)):
+        if value is None:
+            del old[section][key]
         else:
-            old["settings"]["device"] = device
+            old[section][key] = value
         (out / "config.yaml").write_text(json.dumps(old))
-        assert check_run_dir(out, res, resume=True) is True
-    # nor on another statistics kernel (they differ in rounding only), or from before that setting existed
-    for kernel in ("compiled", None):
-        if kernel is None:
-            del old["algo"]["stats_kernel"]
-        else:
-            old["algo"]["stats_kernel"] = kernel
-        (out / "config.yaml").write_text(json.dumps(old))
-        assert check_run_dir(out, res, resume=True) is True
+        assert check_run_dir(out, res, resume=True) is True, (section, key, value)
     old["algo"]["w"] = 1.3  # an algorithm setting is another run
     (out / "config.yaml").write_text(json.dumps(old))
     with pytest.raises(RunDirError, match="other settings"):
