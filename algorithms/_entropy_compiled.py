@@ -83,21 +83,18 @@ def entropy_stats_rows(
         # under a TorchDispatchMode (a profiler counting ops, fake tensors) torch.compile does not trace: the same
         # function runs eagerly, op by op (the same numbers to rounding, with [rows, V] temporaries)
         h, s_a, ph = _row_stats(rows, actions, inv_t)
-        entropy.copy_(h)
-        surprisal.copy_(s_a)
-        phi.copy_(ph)
-        return
-    rows = rows.detach()
-    if rows.stride(-1) != 1:  # a vocabulary with a stride (rare): these rows copied, one kind fewer to compile
-        rows = rows.contiguous()
-    try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            h, s_a, ph = _compiled()(rows, actions, inv_t)
-    except Exception as exc:  # torch.compile reports a missing compiler and the like only at the first call
-        raise RuntimeError(
-            f"kernel='compiled' could not compile the statistics on {rows.device.type} ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); torch.compile needs a working C++ "
-            "compiler on CPU and Triton on CUDA. Use kernel='torch' (or 'auto')") from exc
+    else:
+        rows = rows.detach()
+        if rows.stride(-1) != 1:  # a vocabulary with a stride (rare): these rows copied, one kind fewer to compile
+            rows = rows.contiguous()
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                h, s_a, ph = _compiled()(rows, actions, inv_t)
+        except Exception as exc:  # torch.compile reports a missing compiler and the like only at the first call
+            raise RuntimeError(
+                f"kernel='compiled' could not compile the statistics on {rows.device.type} ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); torch.compile needs a working "
+                "C++ compiler on CPU and Triton on CUDA. Use kernel='torch' (or 'auto')") from exc
     entropy.copy_(h)
     surprisal.copy_(s_a)
     phi.copy_(ph)

@@ -186,6 +186,25 @@ def test_fused_kernels_neg_inf_logits_and_bad_actions(fused, request):
     assert all(torch.isnan(t).all() for t in entropy_sensitivity(with_nan, torch.tensor([1]), kernel=fused))
 
 
+def test_compiled_kernel_under_a_dispatch_mode_runs_the_same_function_eagerly():
+    """A profiler's TorchDispatchMode (bench_plugin_step --profile) stops torch.compile from tracing: the kernel then
+    runs its function op by op, and the op counter sees its [rows, V] work; same numbers to rounding."""
+    g = torch.Generator().manual_seed(18)
+    logits = torch.randn(5, 300, generator=g) * 3
+    actions = torch.randint(0, 300, (5,), generator=g)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        stats = entropy_sensitivity(logits, actions, kernel="compiled")
+    assert "exp" in seen and "amax" in seen
+    assert_matches(stats, logits, actions)
+
+
 def test_strided_logits_are_never_copied_whole():
     """The plugin's ``logits[:, :-1][:, -w:]`` is not contiguous: no tensor bigger than one chunk may be created.
 
