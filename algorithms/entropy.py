@@ -9,14 +9,15 @@ eta A (e_a - p) and, to first order, the entropy by eta A Phi with
 (section 1 of docs/algorithm.md). ``entropy_sensitivity`` computes H, s_a and Phi in one pass over
 the logits, in float32, without gradient, with one of three kernels:
 
-- ``torch``: ``chunk_size`` rows at a time; the extra memory is a few chunk x V float32 buffers, never N x V.
+- ``torch``: ``chunk_size`` rows at a time; the extra memory is two chunk x V float32 buffers for the whole
+  call, never N x V.
 - ``triton`` (``_entropy_triton``, CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``): one fused pass
   per row with a streaming (online max) softmax; the only extra memory is the three [N] outputs.
 - ``compiled`` (``_entropy_compiled``, any device ``torch.compile`` supports): the same sums written as tensor
   operations and fused by TorchInductor (on CPU a vectorised C++ loop that reads each row twice and writes no
   [rows, V] temporary); ``auto`` never picks it, since it costs a compilation per process.
 
-Both read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
+All three read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
 dimensions are merged where that is a view and walked in row blocks otherwise, so the logits are never copied
 whole.
 """
@@ -173,9 +174,9 @@ def entropy_sensitivity(
     ``[...]``. ``temperature`` divides the logits first (the gate wants the entropy at the sampling
     temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 1M logits per
     chunk on CPU, 4M elsewhere), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored),
-    ``"compiled"`` (the same sums fused by ``torch.compile``, any device: about 2.5x the torch path's speed on
-    CPU, after a compilation of about 20 s per process and input kind; ``chunk_size`` is ignored) or ``"auto"``
-    (triton on CUDA when it imports, else torch). No host synchronisation on either path. ``with_phi=False`` returns
+    ``"compiled"`` (the same sums fused by ``torch.compile``, any device: 1.5-2.4x the torch path's speed on
+    CPU, after a compilation of 7-20 s per process and input kind; ``chunk_size`` is ignored) or ``"auto"``
+    (triton on CUDA when it imports, else torch). No host synchronisation on any path. ``with_phi=False`` returns
     ``phi=None`` and, on the torch path, skips Phi's two reductions over the vocabulary (entropy and surprisal are
     the same numbers either way); for callers that need only the gate's entropy.
     """

@@ -21,7 +21,7 @@ a quarter of the step and most of the noise here. Targets (idle 2-core machine):
 stare-phi <= 1.10 times OpenRLHF's own step.
 
     python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1]
-        [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--profile] [--quick]
+        [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--kernel auto|torch|compiled] [--profile] [--quick]
 
 ``--clock thread`` times the benchmark thread's own CPU (with one torch thread every op runs on it), which
 other processes disturb least. ``--profile`` adds a table per variant and phase of counts that do not depend on

@@ -286,7 +286,7 @@ class StareActorTrainer(ActorPPOTrainer):
         # runs of consecutive action rows (statistics are per row, so runs may span samples)
         edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8),
                            append=rows.new_zeros(1, dtype=torch.int8)).nonzero().view(-1).tolist()
-        temperature = float(getattr(self.actor, "temperature", 1.0) or 1.0)
+        temperature = float(self.actor.temperature)  # what Actor.forward divides the logits by
         kernel = self.stare_cfg.stats_kernel
         taken = {}
 
