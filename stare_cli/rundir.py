@@ -70,17 +70,21 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
 LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True}
 
 
+# what a run may be resumed with changed, by section of its config: where it computes (a checkpoint saved on a GPU
+# resumes on CPU) and with which statistics kernel (the kernels differ only in rounding); folders from before these
+# settings have none of them
+RESUMABLE_CHANGES = {"settings": ("device",), "algo": ("stats_kernel",)}
+
+
 def _comparable(config: dict) -> dict:
-    """A run's settings less ``device`` and the algorithm's ``stats_kernel``: where and with which kernel a run
-    computes may change when it is resumed (a checkpoint saved on a GPU resumes on CPU; the kernels differ only in
-    rounding), and folders from before those settings have none. Local settings newer than the folder read as
+    """A run's config less ``RESUMABLE_CHANGES``; local settings newer than the folder read as
     ``LOCAL_SETTINGS_BEFORE``."""
-    settings = {k: v for k, v in (config.get("settings") or {}).items() if k != "device"}
+    out = {**config, "settings": config.get("settings") or {}}
+    for section, keys in RESUMABLE_CHANGES.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k not in keys}
     if config.get("backend") == "local":
-        settings = {**LOCAL_SETTINGS_BEFORE, **settings}
-    out = {**config, "settings": settings}
-    if isinstance(config.get("algo"), dict):
-        out["algo"] = {k: v for k, v in config["algo"].items() if k != "stats_kernel"}
+        out["settings"] = {**LOCAL_SETTINGS_BEFORE, **out["settings"]}
     return out
 
 
