@@ -1,6 +1,6 @@
 """Tiny shared helpers for the benchmarks: interleaved median timing and the summary printout.
 
-Not a framework: each benchmark script reads top to bottom and calls these three functions.
+Not a framework: each benchmark script reads top to bottom and calls these functions.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes.util
 import gc
 import json
 import os
+import random
 import resource
 import statistics
 import time
@@ -73,6 +74,25 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 2, device="cpu")
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def ratio_interval(variant_times, base_times, *, resamples=2000, level=0.90, seed=0):
+    """(low, high): the ``level`` interval of median(variant) / median(base) by a paired bootstrap over the repeats.
+
+    Repeat i of every variant ran in the same round of the interleaving, so a round is resampled whole: what
+    moved every variant's step in that round (another process, the clock) moves both medians together.
+    """
+    n = len(base_times)
+    if n == 0 or len(variant_times) != n:
+        raise ValueError(f"ratio_interval needs one time per repeat for both, got {len(variant_times)} and {n}")
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        draws.append(median([variant_times[i] for i in pick]) / median([base_times[i] for i in pick]))
+    draws.sort()
+    tail = (1.0 - level) / 2
+    return draws[int(tail * (resamples - 1))], draws[int((1.0 - tail) * (resamples - 1))]
 
 
 def verdict(ratio: float, target: float) -> str:

@@ -44,7 +44,7 @@ from types import SimpleNamespace
 
 import torch
 
-from _timing import BackgroundLoad, keep_freed_memory, median, verdict
+from _timing import BackgroundLoad, keep_freed_memory, median, ratio_interval, verdict
 
 ALLOCATOR = keep_freed_memory()
 
@@ -74,8 +74,8 @@ parser.add_argument("--kernel", choices=["auto", "torch", "compiled"], default="
                          "torch.compile'd fused kernel, compiled in the warm-up steps)")
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
 parser.add_argument("--profile", action="store_true",
-                    help="also count, per variant and phase (old-log-prob forward, the plugin's once-per-step "
-                         "block, the rest of ppo_train), what does not depend on machine load: aten ops, bytes "
+                    help="also count, per variant and phase (old-log-prob forward, the plugin's statistics in it, "
+                         "its once-per-step block, the rest of ppo_train), what does not depend on machine load: aten ops, bytes "
                          "the non-view ops write, matmul FLOPs, host reads (item/nonzero), Python calls; and the "
                          "thread's CPU seconds per phase (medians over the repeats)")
 args = parser.parse_args()
@@ -206,7 +206,21 @@ def make_trainer(variant, actor, optim):
     return trainer
 
 
-PHASES = ("forward", "prepare", "train")  # old-log-prob forward, the plugin's once-per-step block, the rest
+# old-log-prob forward (without the statistics), the plugin's per-token statistics inside it (its
+# entropy_sensitivity calls), the plugin's once-per-step block, the rest of ppo_train
+PHASES = ("forward", "stats", "prepare", "train")
+RUNNING = [None]  # the Phases of the step being run: the statistics' wrapper below times into it
+_entropy_sensitivity = plugin.entropy_sensitivity
+
+
+def timed_entropy_sensitivity(*a, **kw):
+    if RUNNING[0] is None:
+        return _entropy_sensitivity(*a, **kw)
+    with RUNNING[0]("stats"):
+        return _entropy_sensitivity(*a, **kw)
+
+
+plugin.entropy_sensitivity = timed_entropy_sensitivity  # what the plugin's forward hook calls, timed in place
 
 
 class Phases:
@@ -256,6 +270,7 @@ def make_step(variant, rollouts, actor, optim):
 
     def step():
         phases.seconds = {}
+        RUNNING[0] = phases
         trainer.replay_buffer.items.clear()
         with phases("forward"):
             for batch in rollouts:
@@ -311,21 +326,31 @@ size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens,
         f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
         f"telemetry {args.telemetry}, stats kernel {args.kernel}")
 print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
-print(f"{'variant':<14} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed")
+print(f"{'variant':<14} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed  90% interval")
 base = median(times["openrlhf"])
 ratios = {}
 for v in TIMED:
     m = median(times[v])
     st = statuses[v]
+    lo, hi = ratio_interval(times[v], times["openrlhf"])
+    interval = f"{lo:.3f}-{hi:.3f}"
     if v in OWN:
-        print(f"{v:<14} {m:9.4f} {m / base:7.3f}")
+        print(f"{v:<14} {m:9.4f} {m / base:7.3f}" + (f"{'':37}{interval}" if v != "openrlhf" else ""))
         continue
     ratios[v] = m / base
     gate = {1.0: "on", 0.0: "off"}.get(st.get("stare/gate_on"), "-")
     print(f"{v:<14} {m:9.4f} {ratios[v]:7.3f} {TARGETS[v]:7.2f}  {verdict(ratios[v], TARGETS[v]):<7}  {gate:<4}  "
-          f"{int(st.get('stare/stash_recomputed', 0))}")
+          f"{int(st.get('stare/stash_recomputed', 0)):>10}  {interval}")
 print(f"  noise floor: '{AGAIN}' is OpenRLHF's own step timed a second time in the same interleaving; its distance "
       "from 1 is how far this run's ratios can move by chance")
+print("  90% interval: of the ratio, resampling the repeats (the rounds of the interleaving, every variant's step of a "
+      "round kept together); a verdict is firm only where its interval lies on one side of the target")
+# the plugin's own extra work, timed where it runs (the thread's CPU, medians): not a difference of two noisy step
+# times, so steadier than the ratio; it leaves out what the extra work costs the rest of the step (caches)
+in_place = {v: (1e3 * median(phase_times[v]["stats"]), 1e3 * median(phase_times[v]["prepare"])) for v in ratios}
+print("  in place: the plugin's per-token statistics + its once-per-step block, in ms of the thread's CPU per step "
+      "(medians), and their sum as a share of OpenRLHF's own step: "
+      + "; ".join(f"{v} {a:.1f} + {b:.1f} = +{(a + b) / (1e3 * base):.1%}" for v, (a, b) in in_place.items()))
 print(f"  {ALLOCATOR}")
 print(load.line())
 if args.profile:
@@ -381,10 +406,10 @@ if args.profile:
             sys.setprofile(None)
         return counts
 
-    print("per phase (forward: the old-log-prob forward; prepare: the plugin's once-per-step block; train: the rest "
-          "of ppo_train): the thread's CPU ms (median over the repeats), and counted over one step: aten ops, MB "
-          "written by non-view ops (all; into fresh tensors), matmul GFLOP, host reads (item, nonzero, ...), Python "
-          "calls")
+    print("per phase (forward: the old-log-prob forward without stats; stats: the plugin's per-token statistics in it; "
+          "prepare: the plugin's once-per-step block; train: the rest of ppo_train): the thread's CPU ms (median over "
+          "the repeats), and counted over one step: aten ops, MB written by non-view ops (all; into fresh tensors), "
+          "matmul GFLOP, host reads (item, nonzero, ...), Python calls")
     print(f"{'variant':<10} {'phase':<8} {'cpu ms':>8} {'ops':>7} {'MB':>8} {'MB new':>8} {'GFLOP':>8} {'reads':>6} "
           f"{'py calls':>9}")
     for v in VARIANTS:

@@ -3,6 +3,7 @@ report keeps the shape users' scripts read: the last line is the JSON object of 
 benchmark's compiled row runs at a small size."""
 import json
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +21,21 @@ def test_bench_plugin_step_quick_run_reports_every_variant_and_finds_every_stash
     assert all(r > 0 for r in ratios.values())
     rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in ratios}
     assert set(rows) == set(ratios)
-    # the columns: variant, median s, ratio, target, verdict, gate, recomputed
+    # the columns: variant, median s, ratio, target, verdict, gate, recomputed, 90% interval
     assert [rows[v][3] for v in ("grpo", "stare", "stare-phi")] == ["1.03", "1.05", "1.10"]
     assert rows["grpo"][5] == "-" and rows["stare"][5] == "on" and rows["stare-phi"][5] == "on"
     # every sample's statistics came from the old-log-prob forward's stash: no extra forward
     assert all(rows[v][6] == "0" for v in rows)
+    # the ratio's 90% interval (a paired bootstrap over the repeats) holds the ratio itself
+    for v in rows:
+        low, high = map(float, rows[v][7].split("-"))
+        assert low <= float(rows[v][2]) <= high, rows[v]
     again = next(line for line in lines if line.startswith("openrlhf again"))
     assert float(again.split()[3]) > 0  # the A/A row: OpenRLHF's own step timed twice
+    # the plugin's extra work timed where it runs: each variant's statistics and once-per-step block, in ms
+    in_place = next(line for line in lines if line.strip().startswith("in place:"))
+    for v in rows:
+        assert re.search(rf"{v} \d+\.\d \+ \d+\.\d = \+\d+\.\d%", in_place), in_place
     assert any(line.strip().startswith("allocator:") for line in lines)
 
 
@@ -54,3 +63,45 @@ def test_bench_entropy_compiled_row_agrees_and_allocates_nothing_per_logit():
     assert all(d < 1e-4 for d in result["compiled_max_abs_diff"].values()), result["compiled_max_abs_diff"]
     # below one [N, V] float32 buffer (64 MiB) and below the torch path's two 4 MiB chunk buffers
     assert result["compiled_extra_mib"] < 4, result["compiled_extra_mib"]
+
+
+def _timing():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import _timing
+    finally:
+        sys.path.pop(0)
+    return _timing
+
+
+def test_ratio_interval_keeps_each_round_together():
+    """A round that slows every variant alike moves both medians together: with the variant 1.05x the base in every
+    round, however much the rounds differ, the paired interval is 1.05 exactly (resampling the two lists apart
+    would spread it over the rounds' differences)."""
+    base = [0.2, 0.35, 0.21, 0.5, 0.19, 0.3, 0.26]
+    low, high = _timing().ratio_interval([1.05 * b for b in base], base)
+    assert abs(low - 1.05) < 1e-12 and abs(high - 1.05) < 1e-12
+
+
+def test_ratio_interval_matches_the_enumerated_bootstrap_distribution():
+    """Six rounds have 6^6 equally likely resamples: the interval's ends lie near the 5th and 95th percentiles of
+    the ratio over all of them, computed here by enumeration (and strictly inside the range of all of them)."""
+    import itertools
+    import statistics
+
+    base = [1.0, 1.3, 0.9, 1.1, 1.2, 0.95]
+    variant = [1.2, 1.25, 1.0, 1.5, 1.45, 1.1]
+    ratios = sorted(statistics.median([variant[i] for i in pick]) / statistics.median([base[i] for i in pick])
+                    for pick in itertools.product(range(6), repeat=6))
+    last = len(ratios) - 1
+    low, high = _timing().ratio_interval(variant, base, resamples=4000)
+    assert ratios[int(0.02 * last)] <= low <= ratios[int(0.08 * last)]
+    assert ratios[int(0.92 * last)] <= high <= ratios[int(0.98 * last)]
+    assert ratios[0] < low and high < ratios[-1]
+
+
+def test_ratio_interval_rejects_unpaired_times():
+    import pytest
+
+    with pytest.raises(ValueError, match="one time per repeat"):
+        _timing().ratio_interval([1.0, 2.0], [1.0])
