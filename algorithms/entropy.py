@@ -7,7 +7,7 @@ eta A (e_a - p) and, to first order, the entropy by eta A Phi with
     Phi(p, a) = p_a (s_a - H) - sum_j p_j^2 (s_j - H)
 
 (section 1 of docs/algorithm.md). ``entropy_sensitivity`` computes H, s_a and Phi in one pass over
-the logits, in float32, without gradient, with one of three kernels:
+the logits, in float32, without gradient, with one of four kernels:
 
 - ``torch``: ``chunk_size`` rows at a time; the extra memory is two chunk x V float32 buffers for the whole
   call, never N x V.
@@ -16,8 +16,11 @@ the logits, in float32, without gradient, with one of three kernels:
 - ``compiled`` (``_entropy_compiled``, any device ``torch.compile`` supports): the same sums written as tensor
   operations and fused by TorchInductor (on CPU a vectorised C++ loop that reads each row twice and writes no
   [rows, V] temporary); ``auto`` never picks it, since it costs a compilation per process.
+- ``cpp`` (``_entropy_cpp``, CPU): the same sums as a C++ loop in 16 float lanes with a polynomial exponential,
+  built once per machine with its C++ compiler (about a second, then cached): about 3x the torch path on one core.
+  ``auto`` never picks it either, so the default CPU numbers stay the torch path's.
 
-All three read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
+All four read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
 dimensions are merged where that is a view and walked in row blocks otherwise, so the logits are never copied
 whole.
 """
@@ -36,7 +39,7 @@ from ._checks import broadcast_advantages, check_choice, check_range, check_same
 # 256-row ones); about 4M (16 MB) on other devices, where fewer, larger launches count more.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 DEFAULT_CHUNK_ELEMENTS_CPU = 1 << 20
-KERNELS = ("auto", "torch", "triton", "compiled")
+KERNELS = ("auto", "torch", "triton", "compiled", "cpp")
 
 
 class EntropyStats(NamedTuple):
@@ -155,6 +158,9 @@ def _resolve_kernel(kernel: str, device: torch.device) -> str:
         if device.type != "cuda" and not _entropy_triton.interpreting():
             raise ValueError(f"kernel='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 in the "
                              "environment from the start to run Triton's CPU interpreter; use kernel='torch' or 'auto'")
+    if kernel == "cpp" and device.type != "cpu":
+        raise ValueError(f"kernel='cpp' runs on CPU tensors (got {device.type}); use kernel='auto' (triton on CUDA) "
+                         "or 'torch'")
     return kernel
 
 
@@ -201,9 +207,12 @@ def entropy_sensitivity(
 
     entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
     surprisal = torch.empty_like(entropy)
-    phi = torch.empty_like(entropy) if with_phi or kernel in ("triton", "compiled") else None
-    if kernel == "compiled":
-        from ._entropy_compiled import entropy_stats_rows
+    phi = torch.empty_like(entropy) if with_phi or kernel in ("triton", "compiled", "cpp") else None
+    if kernel in ("compiled", "cpp"):
+        if kernel == "cpp":
+            from ._entropy_cpp import entropy_stats_rows
+        else:
+            from ._entropy_compiled import entropy_stats_rows
 
         for start, block in _row_blocks(logits, max(n, 1)):
             m = block.shape[1]

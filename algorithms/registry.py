@@ -64,7 +64,8 @@ class AlgoConfig:
     two_sided: bool = False
     telemetry: str = "full"  # one of TELEMETRY (baselines too)
     # which entropy_sensitivity kernel computes the per-token statistics (entropy.KERNELS): auto picks the fused
-    # Triton kernel on CUDA and the eager torch one elsewhere; compiled fuses them with torch.compile (any device)
+    # Triton kernel on CUDA and the eager torch one elsewhere; compiled fuses them with torch.compile (any device);
+    # cpp is a C++ loop for the CPU built with the machine's compiler
     stats_kernel: str = "auto"
     # the entropy baselines' token rule (one of TOKEN_RULES; 80-20 reuses top_ratio)
     token_rule: str = "none"

@@ -20,6 +20,8 @@ verdict is printed only at that size.
 
 With ``--kernel compiled`` (any device) a ``compiled`` row adds ``entropy_sensitivity(..., kernel="compiled")``
 beside the chunked one, compiled in the warm-up (and, for its memory, on a toy input before the inputs exist).
+With ``--kernel cpp`` (CPU) a ``cpp`` row adds ``entropy_sensitivity(..., kernel="cpp")``, the C++ loop (built or
+loaded from its cache on a toy input first; it runs on one thread whatever torch's thread count).
 
 A third row, ``full-grad``, is the entropy path OpenRLHF 0.11.2 takes in training when ``--actor.entropy_coef``
 is set: full-vocabulary float32 softmax entropy inside the autograd graph (what the STARE plugin avoids). It is
@@ -28,7 +30,7 @@ reported beside the others, without a target.
 Targets: chunked extra memory <= 0.2 x naive extra memory; chunked time <= 1.2 x naive time.
 
     python benchmarks/bench_entropy.py [--repeats 5] [--mem-repeats 3] [--device cpu|cuda] [--dtype fp32|bf16]
-                                       [--kernel torch|triton|both|compiled]
+                                       [--kernel torch|triton|both|compiled|cpp]
     # the fused kernel's target: 8192 rows of Qwen's vocabulary, bf16, torch and triton side by side
     python benchmarks/bench_entropy.py --device cuda --n 8192 --dtype bf16 --kernel both
     # the GPU check at real size: 8 x 4096 tokens, Qwen's vocabulary, bf16 logits
@@ -60,14 +62,19 @@ parser.add_argument("--n", type=int, default=1024, help="positions (rows of logi
 parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
 parser.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per variant for memory (default 3)")
 parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the logits (default fp32)")
-parser.add_argument("--kernel", choices=["torch", "triton", "both", "compiled"], default="torch",
+parser.add_argument("--kernel", choices=["torch", "triton", "both", "compiled", "cpp"], default="torch",
                     help="entropy_sensitivity kernel(s) to measure: torch (chunked, default), triton (fused, CUDA), "
-                         "both (torch and triton), or compiled (torch and the torch.compile'd kernel, any device)")
-parser.add_argument("--worker", choices=["chunked", "triton", "compiled", "naive", "full-grad"], help=argparse.SUPPRESS)
+                         "both (torch and triton), compiled (torch and the torch.compile'd kernel, any device), or "
+                         "cpp (torch and the C++ loop, CPU)")
+parser.add_argument("--worker", choices=["chunked", "triton", "compiled", "cpp", "naive", "full-grad"],
+                    help=argparse.SUPPRESS)
 args = parser.parse_args()
 if args.kernel in ("triton", "both") and args.device.split(":")[0] != "cuda":
     parser.exit(2, f"bench_entropy.py: error: --kernel {args.kernel} needs --device cuda (the Triton kernel runs "
-                   "on CUDA; valid on CPU: --kernel torch or compiled)\n")
+                   "on CUDA; valid on CPU: --kernel torch, compiled or cpp)\n")
+if args.kernel == "cpp" and args.device.split(":")[0] != "cpu":
+    parser.exit(2, f"bench_entropy.py: error: --kernel cpp runs on --device cpu (got {args.device}); on CUDA: "
+                   "--kernel both\n")
 
 from stare.algorithms import entropy_sensitivity  # noqa: E402
 
@@ -119,6 +126,10 @@ def compiled(logits: torch.Tensor, actions: torch.Tensor):
     return tuple(entropy_sensitivity(logits, actions, kernel="compiled"))
 
 
+def cpp(logits: torch.Tensor, actions: torch.Tensor):
+    return tuple(entropy_sensitivity(logits, actions, kernel="cpp"))
+
+
 def full_grad(logits: torch.Tensor, actions: torch.Tensor):
     """Entropy as OpenRLHF computes it for an entropy loss: float32 softmax over the whole vocabulary, kept in
     the autograd graph (its saved tensors stay alive while the result does)."""
@@ -127,9 +138,10 @@ def full_grad(logits: torch.Tensor, actions: torch.Tensor):
     return (torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1),)
 
 
-VARIANTS = {"chunked": chunked, "triton": fused, "compiled": compiled, "naive": naive, "full-grad": full_grad}
+VARIANTS = {"chunked": chunked, "triton": fused, "compiled": compiled, "cpp": cpp, "naive": naive,
+            "full-grad": full_grad}
 measured = {"torch": ["chunked"], "triton": ["triton"], "both": ["chunked", "triton"],
-            "compiled": ["chunked", "compiled"]}[args.kernel]
+            "compiled": ["chunked", "compiled"], "cpp": ["chunked", "cpp"]}[args.kernel]
 
 
 def current_rss_bytes() -> int:
@@ -147,6 +159,8 @@ if args.worker:
         # compiler's own transient memory is behind the high-water mark of the inputs and not counted as the call's
         toy = torch.randn(2, 8192, device=device).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
         VARIANTS["compiled"](toy, torch.zeros(2, dtype=torch.long, device=device))
+    if args.worker == "cpp":  # built (or loaded from its cache) before the inputs exist, like the compiled one
+        VARIANTS["cpp"](torch.zeros(2, 8, device=device), torch.zeros(2, dtype=torch.long, device=device))
     logits, actions = make_inputs(args.n, args.vocab, device)
     if args.worker == "triton":  # the first call autotunes (Triton's benchmarking allocates a cache-flush buffer)
         VARIANTS["triton"](logits, actions)

@@ -21,7 +21,7 @@ a quarter of the step and most of the noise here. Targets (idle 2-core machine):
 stare-phi <= 1.10 times OpenRLHF's own step.
 
     python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1]
-        [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--kernel auto|torch|compiled] [--profile] [--quick]
+        [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--kernel auto|torch|compiled|cpp] [--profile] [--quick]
 
 ``--clock thread`` times the benchmark thread's own CPU (with one torch thread every op runs on it), which
 other processes disturb least. ``--profile`` adds a table per variant and phase of counts that do not depend on
@@ -69,9 +69,10 @@ parser.add_argument("--clock", choices=["wall", "cpu", "thread"], default="wall"
                          "(time.thread_time: with --threads 1 every op runs on it; least disturbed by other load)")
 parser.add_argument("--telemetry", choices=["full", "entropy", "off"], default="full",
                     help="the plugin variants' telemetry setting (default full: entropy, Phi, shares)")
-parser.add_argument("--kernel", choices=["auto", "torch", "compiled"], default="auto",
+parser.add_argument("--kernel", choices=["auto", "torch", "compiled", "cpp"], default="auto",
                     help="the plugin's stats_kernel (default auto: the eager torch kernel on CPU; compiled: the "
-                         "torch.compile'd fused kernel, compiled in the warm-up steps)")
+                         "torch.compile'd fused kernel, compiled in the warm-up steps; cpp: the C++ loop, built at "
+                         "first use)")
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
 parser.add_argument("--profile", action="store_true",
                     help="also count, per variant and phase (old-log-prob forward, the plugin's statistics in it, "

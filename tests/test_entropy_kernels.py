@@ -56,7 +56,7 @@ def interpreter():
     importlib.reload(module)
 
 
-@pytest.fixture(params=["torch", "triton", "compiled"])
+@pytest.fixture(params=["torch", "triton", "compiled", "cpp"])
 def kernel(request):
     if request.param == "triton":
         request.getfixturevalue("interpreter")
@@ -123,10 +123,10 @@ def test_chunk_and_block_boundaries(kernel, request):
         for chunk in (1, 2, 3, 7, 100):
             assert_matches(entropy_sensitivity(logits, actions, chunk_size=chunk, kernel="torch"), logits, actions)
         return
-    if kernel == "compiled":  # no blocks: each row in one vectorised loop, with a tail when V % the width != 0
-        for v in (37, 16, 17, 64, 100):
+    if kernel in ("compiled", "cpp"):  # no blocks: each row in one vectorised loop, with a tail when V % width != 0
+        for v in (37, 15, 16, 17, 31, 32, 33, 64, 100):  # cpp: 16 lanes, its maximum in two sets of 16
             z = torch.cat([logits] * 3, dim=-1)[:, :v]
-            assert_matches(entropy_sensitivity(z, actions % v, kernel="compiled"), z, actions % v)
+            assert_matches(entropy_sensitivity(z, actions % v, kernel=kernel), z, actions % v)
         return
     module = request.getfixturevalue("interpreter")
     for block_v in (8, 16, 32, 64):  # 37 = 4 x 8 + 5 = 2 x 16 + 5 = 32 + 5 = one partial block of 64
@@ -157,7 +157,7 @@ def test_strided_views_and_shapes(kernel):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the deliberate inf and NaN rows
-@pytest.mark.parametrize("fused", ["triton", "compiled"])
+@pytest.mark.parametrize("fused", ["triton", "compiled", "cpp"])
 def test_fused_kernels_neg_inf_logits_and_bad_actions(fused, request):
     """-inf entries (a masked vocabulary) count as p = 0 (an action on one has s_a = inf and Phi its p_a -> 0 limit);
     an action id outside [0, V) gives NaN, not a wild read; an all -inf row gives NaN."""
@@ -256,11 +256,13 @@ def test_torch_path_numbers_do_not_depend_on_the_layout():
 def test_kernel_choice(monkeypatch):
     logits = torch.randn(3, 10)
     actions = torch.zeros(3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"unknown kernel 'cuda'; valid choices: auto, torch, triton, compiled"):
+    with pytest.raises(ValueError, match=r"unknown kernel 'cuda'; valid choices: auto, torch, triton, compiled, cpp"):
         entropy_sensitivity(logits, actions, kernel="cuda")
     with pytest.raises(ValueError, match=r"actions must be on the logits' device: logits cpu, actions meta"):
         entropy_sensitivity(logits, actions.to("meta"))  # a kernel would read a pointer of the wrong device
-    assert KERNELS == ("auto", "torch", "triton", "compiled")
+    assert KERNELS == ("auto", "torch", "triton", "compiled", "cpp")
+    with pytest.raises(ValueError, match=r"kernel='cpp' runs on CPU tensors \(got meta\)"):
+        _resolve_kernel("cpp", torch.device("meta"))
     assert _resolve_kernel("auto", torch.device("cpu")) == "torch"
     auto = entropy_sensitivity(logits, actions)
     assert all(torch.equal(a, b) for a, b in zip(auto, entropy_sensitivity(logits, actions, kernel="torch")))
@@ -327,3 +329,39 @@ def test_triton_kernel_compiles_for_hopper():
     proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_cpp_kernel_at_a_real_vocabulary():
+    """Qwen's 151,936 logits per row: each of the 16 lanes sums about 9,500 terms in float32; still within the
+    matrix's tolerance of the float64 computation (sharp and flat rows, likely and unlikely actions)."""
+    g = torch.Generator().manual_seed(19)
+    V = 151936
+    logits = torch.randn(6, V, generator=g) * torch.tensor([0.5, 2.0, 4.0, 8.0, 1.0, 3.0])[:, None]
+    logits[4, 7] += 30.0  # one token takes almost all the mass
+    actions = torch.tensor([3, 10, logits[2].argmax(), 5, 7, logits[5].argmin()])
+    assert_matches(entropy_sensitivity(logits, actions, kernel="cpp"), logits, actions)
+
+
+def test_cpp_kernel_is_built_once_per_machine_into_its_cache(tmp_path):
+    """Built at first use into $STARE_KERNEL_CACHE, loaded from there by the next process (not rebuilt); a compiler
+    that fails gives a RuntimeError that names the way out."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from stare.algorithms import entropy_sensitivity as e; "
+            "print(float(e(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), kernel='cpp').entropy[0]))")
+    env = {**os.environ, "STARE_KERNEL_CACHE": str(tmp_path / "k")}
+    env.pop("CXX", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert float(first.stdout) == pytest.approx(1.3862944, abs=1e-6)  # log 4: four equal logits
+    built = list((tmp_path / "k").glob("entropy_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and float(again.stdout) == pytest.approx(1.3862944, abs=1e-6)
+    assert list((tmp_path / "k").glob("entropy_*.so")) == built and built[0].stat().st_mtime_ns == stamp
+    broken = {**env, "CXX": "false", "STARE_KERNEL_CACHE": str(tmp_path / "other")}
+    failed = subprocess.run([sys.executable, "-c", code], env=broken, capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0
+    assert "kernel='cpp' could not build _entropy_cpp.cc" in failed.stderr and "use kernel='torch'" in failed.stderr
