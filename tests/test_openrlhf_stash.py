@@ -131,7 +131,7 @@ def test_the_stash_never_serves_a_row_from_before_an_update(monkeypatch):
     assert trainer.stare_stash_report["recomputed"] == B
 
 
-@pytest.mark.parametrize("kernel", ["torch", "compiled"])
+@pytest.mark.parametrize("kernel", ["torch", "compiled", "cpp"])
 def test_statistics_come_from_the_models_own_logits_at_the_rollout_temperature(monkeypatch, kernel):
     """The statistics are taken by a hook on the model, before ``Actor.forward`` divides the logits by the
     temperature in place: they must still be those of the temperature-scaled policy, OpenRLHF's log-probs must be

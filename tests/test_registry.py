@@ -92,7 +92,7 @@ def test_needs_entropy():
     (dict(k_ratio=0.0), "k_ratio must be in \\(0, 1\\], got 0.0"),
     (dict(kl_cov_coef=-1.0), "kl_cov_coef must be in \\[0, inf\\], got -1.0"),
     (dict(clip_low=1.5), "clip_low must be in \\[0, 1\\], got 1.5"),
-    (dict(stats_kernel="cuda"), "unknown stats_kernel 'cuda'; valid choices: auto, torch, triton, compiled"),
+    (dict(stats_kernel="cuda"), "unknown stats_kernel 'cuda'; valid choices: auto, torch, triton, compiled, cpp"),
 ])
 def test_baseline_settings_are_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
