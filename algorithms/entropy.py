@@ -17,7 +17,7 @@ the logits, in float32, without gradient, with one of four kernels:
   operations and fused by TorchInductor (on CPU a vectorised C++ loop that reads each row twice and writes no
   [rows, V] temporary); ``auto`` never picks it, since it costs a compilation per process.
 - ``cpp`` (``_entropy_cpp``, CPU): the same sums as a C++ loop in 16 float lanes with a polynomial exponential,
-  built once per machine with its C++ compiler (about a second, then cached): about 3x the torch path on one core.
+  built once per machine with its C++ compiler (under a second, then cached): about 3.5x the torch path on one core.
   ``auto`` never picks it either, so the default CPU numbers stay the torch path's.
 
 All four read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
@@ -181,8 +181,9 @@ def entropy_sensitivity(
     temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 1M logits per
     chunk on CPU, 4M elsewhere), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored),
     ``"compiled"`` (the same sums fused by ``torch.compile``, any device: 1.5-2.4x the torch path's speed on
-    CPU, after a compilation of 7-20 s per process and input kind; ``chunk_size`` is ignored) or ``"auto"``
-    (triton on CUDA when it imports, else torch). No host synchronisation on any path. ``with_phi=False`` returns
+    CPU, after a compilation of 7-20 s per process and input kind; ``chunk_size`` is ignored), ``"cpp"`` (CPU
+    tensors: the same sums as a C++ loop built once per machine with its compiler, about 3.5x the torch path on
+    one core; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA when it imports, else torch). No host synchronisation on any path. ``with_phi=False`` returns
     ``phi=None`` and, on the torch path, skips Phi's two reductions over the vocabulary (entropy and surprisal are
     the same numbers either way); for callers that need only the gate's entropy.
     """

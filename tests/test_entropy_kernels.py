@@ -344,7 +344,7 @@ def test_cpp_kernel_at_a_real_vocabulary():
 
 def test_cpp_kernel_is_built_once_per_machine_into_its_cache(tmp_path):
     """Built at first use into $STARE_KERNEL_CACHE, loaded from there by the next process (not rebuilt); a compiler
-    that fails gives a RuntimeError that names the way out."""
+    that fails, or a cache that cannot be written, gives a RuntimeError that names the ways out."""
     import subprocess
     import sys
 
@@ -365,3 +365,9 @@ def test_cpp_kernel_is_built_once_per_machine_into_its_cache(tmp_path):
     failed = subprocess.run([sys.executable, "-c", code], env=broken, capture_output=True, text=True, timeout=300)
     assert failed.returncode != 0
     assert "kernel='cpp' could not build _entropy_cpp.cc" in failed.stderr and "use kernel='torch'" in failed.stderr
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    unwritable = {**env, "STARE_KERNEL_CACHE": str(blocked)}
+    failed = subprocess.run([sys.executable, "-c", code], env=unwritable, capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0 and "kernel='cpp' could not build" in failed.stderr, failed.stderr[-2000:]
+    assert "STARE_KERNEL_CACHE" in failed.stderr
