@@ -1,6 +1,6 @@
 // entropy_sensitivity(..., kernel="cpp"): the per-row statistics as one C++ loop per row, for the CPU.
 //
-// Built at first use by _entropy_cpp.py with the machine's C++ compiler (GCC or Clang; about a second) and loaded
+// Built at first use by _entropy_cpp.py with the machine's C++ compiler (GCC or Clang; under a second) and loaded
 // with ctypes: no torch headers, no Python API. The same sums as the Triton and compiled kernels, with
 // u_j = z_j - max z and e_j = e^{u_j}:
 //

@@ -6,7 +6,7 @@ writing nothing per logit; every 1,024 logits the float lanes hand their sums to
 project's 2-core machine it is about 3.5x the torch path and 2.8x the compiled kernel (192 x 16,384 float32 logits:
 0.8 ms against 2.8 and 2.3 ms), and the most accurate of the three (64 rows of 151,936 logits against float64:
 entropy within 6e-7, the torch path 6e-5, the compiled kernel 1e-5). It is built with the machine's C++
-compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``; ``-O3 -march=native``, about a second) into a cache
+compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``; ``-O3 -march=native``, under a second) into a cache
 folder (``$STARE_KERNEL_CACHE``, else ``~/.cache/stare/kernels``), under a name that hashes the source, the
 compiler, its flags and the CPU, so a shared home folder never hands one machine another's build. It runs on one
 thread (the torch path uses torch's threads). ``auto`` never picks it: the default CPU numbers stay the torch

@@ -183,9 +183,10 @@ def entropy_sensitivity(
     ``"compiled"`` (the same sums fused by ``torch.compile``, any device: 1.5-2.4x the torch path's speed on
     CPU, after a compilation of 7-20 s per process and input kind; ``chunk_size`` is ignored), ``"cpp"`` (CPU
     tensors: the same sums as a C++ loop built once per machine with its compiler, about 3.5x the torch path on
-    one core; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA when it imports, else torch). No host synchronisation on any path. ``with_phi=False`` returns
-    ``phi=None`` and, on the torch path, skips Phi's two reductions over the vocabulary (entropy and surprisal are
-    the same numbers either way); for callers that need only the gate's entropy.
+    one core; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA when it imports, else torch). No host
+    synchronisation on any path. ``with_phi=False`` returns ``phi=None`` and, on the torch path, skips Phi's two
+    reductions over the vocabulary (entropy and surprisal are the same numbers either way); for callers that need
+    only the gate's entropy.
     """
     if logits.dim() < 1 or tuple(actions.shape) != tuple(logits.shape[:-1]):
         raise ValueError(

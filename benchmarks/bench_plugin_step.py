@@ -84,9 +84,9 @@ parser.add_argument("--kernel", choices=["auto", "torch", "compiled", "cpp"], de
 parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run at toy sizes")
 parser.add_argument("--profile", action="store_true",
                     help="also count, per variant and phase (old-log-prob forward, the plugin's statistics in it, "
-                         "its once-per-step block, the rest of ppo_train), what does not depend on machine load: aten ops, bytes "
-                         "the non-view ops write, matmul FLOPs, host reads (item/nonzero), Python calls; and the "
-                         "thread's CPU seconds per phase (medians over the repeats)")
+                         "its once-per-step block, the rest of ppo_train), what does not depend on machine load: aten "
+                         "ops, bytes the non-view ops write, matmul FLOPs, host reads (item/nonzero), Python calls; "
+                         "and the thread's CPU seconds per phase (medians over the repeats)")
 args = parser.parse_args()
 KERNEL_NOTE = None
 if args.kernel is None:

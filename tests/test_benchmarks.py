@@ -37,6 +37,9 @@ def test_bench_plugin_step_quick_run_reports_every_variant_and_finds_every_stash
     for v in rows:
         assert re.search(rf"{v} \d+\.\d \+ \d+\.\d = \+\d+\.\d%", in_place), in_place
     assert any(line.strip().startswith("allocator:") for line in lines)
+    # the plugin's statistics in the fused C++ kernel by default, or auto with a line that says why not
+    header = next(line for line in lines if line.startswith("one RL step"))
+    assert "stats kernel cpp" in header or "the default cpp could not be built" in res.stdout, header
 
 
 def test_keep_freed_memory_says_what_it_did():
