@@ -19,7 +19,8 @@ namespace {
 
 constexpr int W = 16;
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));  // comparison masks: -1 or 0
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));  // bit patterns (wrap, never overflow)
 typedef double vd __attribute__((vector_size(W * sizeof(double))));
 // the float lanes sum BLOCK vectors (BLOCK * W logits), then hand their sums to double lanes: a float chain of 64
 // terms instead of V / W (9,500 at V = 151,936) keeps the sums' rounding near float32's own
@@ -32,9 +33,12 @@ constexpr float FLOOR = -1e30f;
 
 inline vf splat(float x) { return vf{} + x; }
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline vi bits_of(vf v) { vi b; std::memcpy(&b, &v, sizeof b); return b; }
-inline vf float_of(vi b) { vf v; std::memcpy(&v, &b, sizeof v); return v; }
-inline vf select(vi mask, vf a, vf b) { return float_of((mask & bits_of(a)) | (~mask & bits_of(b))); }
+inline vu bits_of(vf v) { vu b; std::memcpy(&b, &v, sizeof b); return b; }
+inline vf float_of(vu b) { vf v; std::memcpy(&v, &b, sizeof v); return v; }
+inline vf select(vi mask, vf a, vf b) {
+    vu m = (vu)mask;
+    return float_of((m & bits_of(a)) | (~m & bits_of(b)));
+}
 
 // e^u per lane for -87 <= u <= 0 (NaN stays NaN): 2^t with t = u log2(e) = n + f, n the nearest integer (the
 // float trick: adding 1.5 * 2^23 rounds to an integer and leaves it in the low bits), f in [-1/2, 1/2], 2^f a
@@ -44,7 +48,7 @@ inline vf exp_nonpositive(vf u) {
     vf t = u * 1.4426950408889634f;
     vf r = t + magic;
     vf n = r - magic;
-    vi n_int = bits_of(r) - bits_of(magic);
+    vu n_bits = bits_of(r) - bits_of(magic);  // n, as the low bits of r (two's complement)
     vf f = t - n;
     vf p = f * 1.5337577497120947e-04f + 1.3399859890341759e-03f;
     p = p * f + 9.618519805371761e-03f;
@@ -52,7 +56,7 @@ inline vf exp_nonpositive(vf u) {
     p = p * f + 2.4022646248340607e-01f;
     p = p * f + 6.931471824645996e-01f;
     p = p * f + 1.0f;
-    return p * float_of((n_int + 127) << 23);  // n >= -126: a normal float's exponent bits
+    return p * float_of((n_bits + 127u) << 23);  // n >= -126: a normal float's exponent bits
 }
 
 inline double lane_sum(const vd& v) {
