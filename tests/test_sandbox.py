@@ -414,3 +414,28 @@ def test_the_sandbox_works_from_a_venv_under_a_hidden_folder(tmp_path):
         assert SECRET not in stdout + stderr and lines[1].startswith("refused"), (isolation, audit, stdout)
         if isolation == "namespaces":
             assert lines[2] == "42", stderr
+
+
+def test_the_runners_layers_report_may_come_before_the_supervisors_started():
+    """After its fork the supervisor writes "started" and the runner it forked writes "layers", on the same pipe, in
+    whichever order the scheduler runs them: waiting for "started" reads on past "layers" and keeps it (a busy CI
+    machine once delivered "layers" first and the call failed with "did not start its runner")."""
+    import json
+
+    from stare.cli.agent.sandbox import _Status
+
+    r, w = os.pipe()
+    try:
+        os.write(w, (json.dumps({"stage": "layers", "layers": ["rlimits"]}) + "\n"
+                     + json.dumps({"stage": "started", "child": 123}) + "\n").encode())
+        status = _Status(r)
+        assert status.until("started", time.monotonic() + 5) == {"stage": "started", "child": 123}
+        assert status.stage("layers") == {"stage": "layers", "layers": ["rlimits"]}
+        assert status.until("started", time.monotonic() + 5)["child"] == 123  # already read: returned again
+        os.close(w)
+        w = None
+        assert status.until("done", time.monotonic() + 5) is None  # the pipe ended without it
+    finally:
+        os.close(r)
+        if w is not None:
+            os.close(w)

@@ -220,6 +220,19 @@ class _Status:
     def stage(self, name: str) -> dict | None:
         return next((m for m in self.messages if m.get("stage") == name), None)
 
+    def until(self, name: str, deadline: float) -> dict | None:
+        """The first message of stage ``name``, reading on past others (kept for ``stage``); None at the deadline or
+        the end of the pipe. The supervisor writes "started" after its fork, and the runner it forked may report
+        "layers" first: the order of the two is the scheduler's."""
+        found = self.stage(name)
+        while found is None:
+            msg = self.next(deadline)
+            if msg is None:
+                return None
+            if msg.get("stage") == name:
+                found = msg
+        return found
+
 
 def _kill(proc: subprocess.Popen, child_pid: int | None) -> None:
     for target in (child_pid,):
@@ -303,8 +316,8 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: float | None = None
                 result.notes.append(f"could not map ids into the namespace ({exc})")
         proc.stdin.write((json.dumps({"go": True, "mapped_nobody": mapped_nobody}) + "\n").encode())
         proc.stdin.close()
-        started = status.next(time.monotonic() + _STARTUP_TIMEOUT_S)
-        if started is None or started.get("stage") != "started":
+        started = status.until("started", time.monotonic() + _STARTUP_TIMEOUT_S)
+        if started is None:
             raise _Failed("the sandbox did not start its runner")
         child_pid = int(started["child"])
         deadline = time.monotonic() + float(timeout_s) + _STARTUP_TIMEOUT_S + _GRACE_S
