@@ -50,7 +50,7 @@ ALGO_SETTING_HELP = {
     "telemetry": "what each step logs: full (entropy, shares, Phi forecasts), entropy (batch entropy only) or off",
     "stats_kernel": "kernel for the per-token entropy and Phi: auto (fused Triton on CUDA, eager torch elsewhere), "
                     "torch, triton, compiled (torch.compile fuses them on any device; a compilation per process) or "
-                    "cpp (a C++ loop for the CPU, about 3x torch there; built once per machine with its C++ compiler)",
+                    "cpp (a C++ loop for the CPU, about 3.5x torch there; built once per machine with its C++ compiler)",
     "token_rule": "an entropy baseline's token rule, once per step over the whole batch: none, clip-cov, kl-cov or "
                   "80-20 (80-20 keeps the top top_ratio tokens by entropy)",
     "clip_ratio": "clip-cov: share of the response tokens whose gradient is dropped (random among the candidates)",
