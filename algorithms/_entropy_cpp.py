@@ -82,10 +82,10 @@ def library() -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     except OSError:
         version = ""
+    built_by = [SOURCE.read_text(), compiler, version, _cpu_signature()]  # what a build depends on, besides flags
     error = None
     for flags in (FLAGS + (NATIVE,), FLAGS):
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(flags),
-                                        _cpu_signature()]).encode()).hexdigest()[:20]
+        key = hashlib.sha256("\0".join(built_by + [" ".join(flags)]).encode()).hexdigest()[:20]
         target = cache_dir() / f"entropy_{key}.so"
         if not target.exists():
             try:
