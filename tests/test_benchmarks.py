@@ -1,12 +1,14 @@
 """The plugin-step benchmark still runs against OpenRLHF's real trainer (a seconds-long --quick run), and its
 report keeps the shape users' scripts read: the last line is the JSON object of the three ratios. The entropy
-benchmark's compiled row runs at a small size."""
+benchmark's compiled and cpp rows run at a small size."""
 import json
 import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,20 +54,21 @@ def test_keep_freed_memory_says_what_it_did():
         assert "stay in the process" in line  # glibc accepted the settings
 
 
-def test_bench_entropy_compiled_row_agrees_and_allocates_nothing_per_logit():
-    """``--kernel compiled`` adds the torch.compile'd kernel's row beside the chunked one (small sizes: a smoke run;
+@pytest.mark.parametrize("kernel", ["compiled", "cpp"])
+def test_bench_entropy_fused_row_agrees_and_allocates_nothing_per_logit(kernel):
+    """``--kernel compiled`` (or ``cpp``) adds that kernel's row beside the chunked one (small sizes: a smoke run;
     the ratios at this size mean nothing), with its own RESULT fields, and the compiler's memory kept out of the
     call's: the fused kernel itself allocates only its [N] outputs, far below one [N, V] float32 buffer."""
     n, vocab = 512, 32768  # 64 MiB of logits: above the compiler's own transient memory (a high-water mark)
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_entropy.py"), "--kernel", "compiled",
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_entropy.py"), "--kernel", kernel,
                           "--n", str(n), "--vocab", str(vocab), "--repeats", "1", "--mem-repeats", "1"],
                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
-    assert result["kernel"] == "compiled" and result["compiled_ms"] > 0 and result["chunked_ms"] > 0
-    assert all(d < 1e-4 for d in result["compiled_max_abs_diff"].values()), result["compiled_max_abs_diff"]
+    assert result["kernel"] == kernel and result[f"{kernel}_ms"] > 0 and result["chunked_ms"] > 0
+    assert all(d < 1e-4 for d in result[f"{kernel}_max_abs_diff"].values()), result[f"{kernel}_max_abs_diff"]
     # below one [N, V] float32 buffer (64 MiB) and below the torch path's two 4 MiB chunk buffers
-    assert result["compiled_extra_mib"] < 4, result["compiled_extra_mib"]
+    assert result[f"{kernel}_extra_mib"] < 4, result[f"{kernel}_extra_mib"]
 
 
 def _timing():
@@ -104,7 +107,5 @@ def test_ratio_interval_matches_the_enumerated_bootstrap_distribution():
 
 
 def test_ratio_interval_rejects_unpaired_times():
-    import pytest
-
     with pytest.raises(ValueError, match="one time per repeat"):
         _timing().ratio_interval([1.0, 2.0], [1.0])
