@@ -198,6 +198,12 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
         algo_cfg = get_algorithm(algo, **algo_over)
         if preset.backend == "local":
             _check_choices(settings, "--set ")
+            # as the GPU presets (argv.check_algorithm, OpenRLHF's assert): the penalised zone must fit in the limit
+            limit = settings.get("max_new_tokens")
+            if algo_cfg.overlong_shaping and isinstance(limit, int) and algo_cfg.overlong_buffer_len > limit:
+                raise PresetError(f"preset {preset.name}, algorithm {algo}: overlong_buffer_len "
+                                  f"({algo_cfg.overlong_buffer_len}) must be <= max_new_tokens ({limit}) "
+                                  "(the penalised zone is the end of the response limit)")
         if preset.backend == "openrlhf" and sets:  # the overrides must still fit together
             from .openrlhf_backend.argv import check_settings
 

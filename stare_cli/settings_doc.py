@@ -130,6 +130,8 @@ GPU_RUN_SETTING_HELP = {
     "max_checkpoints": "checkpoints kept",
     "reward_timeout_s": "time limit for scoring one answer, in seconds",
     "wandb_project": "non-empty: also log to this W&B project ($WANDB_API_KEY)",
+    "ray_dashboard": "start the Ray dashboard with the Ray head started here (off by default: it can stall a small "
+                     "machine's start; a joined cluster's head decides for itself)",
     "agent": "'' (single turn) or python (multi-turn sandboxed Python tool use)",
     "tool_max_turns": "tool use: turns per episode",
     "tool_timeout_s": "tool use: time limit per code block, in seconds",

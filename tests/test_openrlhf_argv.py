@@ -104,7 +104,9 @@ def test_grpo_dapo_and_stare_map_to_the_intended_flags(tmp_path):
     assert "--algo.dynamic_filtering_enable" not in grpo
     assert value(grpo, "--actor.loss_agg_mode") == ["seq-mean-token-mean"]
     assert value(dapo, "--actor.eps_clip_low_high", 2) == ["0.2", "0.28"]
-    assert value(dapo, "--reward.overlong_buffer_len") == ["4096"] and "--algo.dynamic_filtering_enable" in dapo
+    # the 3k preset's own buffer (a fifth of the response limit, as DAPO's 4096 of 20480); the 20k preset's is DAPO's
+    assert value(dapo, "--reward.overlong_buffer_len") == ["614"] and "--algo.dynamic_filtering_enable" in dapo
+    assert value(argv("dapo", "qwen-7b-long-cot"), "--reward.overlong_buffer_len") == ["4096"]
     assert "--reward.overlong_buffer_len" not in stare and value(stare, "--actor.loss_agg_mode") == ["token-mean"]
     assert value(argv("dr-grpo"), "--algo.advantage.estimator") == ["dr_grpo"]
     big = orl.plan(resolve("qwen-32b-short-cot", "stare-c2"), tmp_path)

@@ -207,7 +207,7 @@ class LocalTrainer:
         shaped = rewards.float()
         if self.algo.overlong_shaping:
             shaped = shaped + overlong_penalty(lengths, max_len=self.s["max_new_tokens"],
-                                               buffer_len=min(self.algo.overlong_buffer_len, self.s["max_new_tokens"]),
+                                               buffer_len=self.algo.overlong_buffer_len,  # <= the limit (resolve)
                                                factor=self.algo.overlong_penalty).view_as(shaped)
         adv = group_advantages(shaped, std_norm=self.algo.std_norm).reshape(-1)  # per sequence
         actions = batch.responses

@@ -22,6 +22,7 @@ from pathlib import Path
 from stare.algorithms import AlgoConfig
 
 SETTINGS_ENV = "STARE_SETTINGS"
+DASHBOARD_ENV = "STARE_RAY_DASHBOARD"  # 1: the local Ray head starts its dashboard (the ray_dashboard setting)
 REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
 PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
 
@@ -63,6 +64,7 @@ SCHEMA: dict[str, tuple[type, object]] = {
     "max_checkpoints": (int, 2),
     "reward_timeout_s": (float, 5.0),
     "wandb_project": (str, ""),  # non-empty: log to W&B too (key from $WANDB_API_KEY at launch)
+    "ray_dashboard": (bool, False),  # start the Ray dashboard with the local head (off: it can stall a small machine)
     # multi-turn tool use (the qwen-7b-tool-use preset)
     "agent": (str, ""),  # "" (single turn) | "python" (sandboxed Python tool agent)
     "tool_max_turns": (int, 4),
@@ -119,15 +121,84 @@ def check_settings(settings: dict, source: str) -> dict:
     if not 0 < out["vllm_gpu_memory_utilization"] <= 1:
         raise SettingsError(f"preset {source}: vllm_gpu_memory_utilization must be in (0, 1], "
                             f"got {out['vllm_gpu_memory_utilization']}")
-    gpus = out["gpus_per_node"] * out["nodes"]
-    if out["colocate"] and out["vllm_engines"] * out["vllm_tensor_parallel"] != gpus:
-        raise SettingsError(f"preset {source}: with colocate, vllm_engines x vllm_tensor_parallel "
-                            f"({out['vllm_engines']} x {out['vllm_tensor_parallel']}) must equal the GPUs ({gpus})")
-    rollout = out["prompts_per_step"] * out["samples_per_prompt"]
-    if rollout % out["train_batch_size"]:
-        raise SettingsError(f"preset {source}: prompts_per_step x samples_per_prompt ({rollout}) must be a multiple "
-                            f"of train_batch_size ({out['train_batch_size']})")
+    _check_layout(out, source)
     return out
+
+
+def _check_layout(s: dict, source: str) -> None:
+    """What OpenRLHF 0.11.2 would assert (or hang on) at run time, decided by the settings alone.
+
+    Each check names the OpenRLHF (or DeepSpeed) code it mirrors. The actor ranks are gpus_per_node x nodes: we
+    pass no ring attention or DeepSpeed tensor parallelism, so each rank is one data-parallel rank. With
+    ``packing`` (OpenRLHF's --train.dynamic_batch_enable) OpenRLHF itself deals the rollout out in a multiple of
+    the ranks (experience_maker.py split_rollout_samples, experience.py balance_experiences) and agrees the
+    training micro-batches over the ranks (replay_buffer.py setup_dynamic_batch). Left unguarded, because the
+    prompt count decides it: the last rollout of a pass over the prompts is shorter when the prompt set is not
+    a multiple of prompts_per_step, and with packing off it may then not divide over the ranks.
+    """
+    ranks = s["gpus_per_node"] * s["nodes"]
+    layout = f"gpus_per_node x nodes ({s['gpus_per_node']} x {s['nodes']} = {ranks} actor ranks)"
+    rollout = s["prompts_per_step"] * s["samples_per_prompt"]
+    rollout_text = f"prompts_per_step x samples_per_prompt ({s['prompts_per_step']} x {s['samples_per_prompt']} = {rollout})"
+    # train_ppo_ray.py __main__: every estimator we map to (group_norm, dr_grpo) and dynamic filtering assert
+    # n_samples_per_prompt > 1 (the group baseline makes every advantage 0 with one sample)
+    if s["samples_per_prompt"] < 2:
+        raise SettingsError(f"preset {source}: samples_per_prompt must be >= 2 (every algorithm's advantage is "
+                            f"relative to its group of samples), got {s['samples_per_prompt']}")
+    # train_ppo_ray.py train(): with colocate_all the actor ranks and the vLLM GPUs must be the same GPUs
+    if s["colocate"] and s["vllm_engines"] * s["vllm_tensor_parallel"] != ranks:
+        raise SettingsError(f"preset {source}: with colocate, vllm_engines x vllm_tensor_parallel "
+                            f"({s['vllm_engines']} x {s['vllm_tensor_parallel']}) must equal the GPUs ({ranks})")
+    # our rule, not an OpenRLHF assert: one rollout is a whole number of optimizer steps (OpenRLHF's
+    # replay_buffer.py setup_dynamic_batch floors rollout // train.batch_size and leaves the rest untrained)
+    if rollout % s["train_batch_size"]:
+        raise SettingsError(f"preset {source}: {rollout_text} must be a multiple "
+                            f"of train_batch_size ({s['train_batch_size']})")
+    # train_ppo_ray.py __main__: "The number of sample batches must be greater than or equal to the effective
+    # number of actor processes" (rollout // rollout micro-batch >= ranks; launcher.py async_run_method_batch
+    # raises on fewer chunks than ranks)
+    if rollout // s["rollout_micro_batch_size"] < ranks:
+        raise SettingsError(f"preset {source}: {rollout_text} // rollout_micro_batch_size "
+                            f"({s['rollout_micro_batch_size']}) = {rollout // s['rollout_micro_batch_size']} "
+                            f"rollout micro-batches must be >= {layout}")
+    if not s["packing"] and ranks > 1 and rollout % (s["rollout_micro_batch_size"] * ranks):
+        # experience_maker.py split_rollout_samples cuts the rollout into micro-batches of
+        # rollout_micro_batch_size, and launcher.py async_run_method_batch deals them out in chunks of
+        # ceil(count / ranks): unless the rollout is a multiple of rollout_micro_batch_size x ranks, some rank
+        # gets fewer forwards (ZeRO-3's forward is collective: the others wait forever in
+        # PartitionedParameterCoordinator) or fewer samples to train on (its optimizer-step all-reduces in
+        # loss_utils.py iter_grad_accum_global_norm never meet the others'), whatever the ZeRO stage
+        per = s["rollout_micro_batch_size"] * ranks
+        raise SettingsError(f"preset {source}: with packing off, {rollout_text} must be a multiple of "
+                            f"rollout_micro_batch_size x gpus_per_node x nodes ({s['rollout_micro_batch_size']} x "
+                            f"{s['gpus_per_node']} x {s['nodes']} = {per}), or the actor ranks get unequal "
+                            "micro-batches and the step hangs")
+    if s["packing"] and s["train_batch_size"] < ranks:
+        # replay_buffer.py setup_dynamic_batch: train.batch_size // dp_size sequences per rank and step, a
+        # ZeroDivisionError when it is 0
+        raise SettingsError(f"preset {source}: with packing, train_batch_size ({s['train_batch_size']}) must be "
+                            f">= {layout}")
+    if not s["packing"] or s["kl_coef"] > 0:
+        # DeepSpeed's config batch assertion (runtime/config.py _batch_assertion): train_batch_size ==
+        # micro_batch_size x gradient accumulation x ranks, for the actor without packing
+        # (deepspeed.py get_ds_train_config) and for the reference model whenever there is one
+        # (get_ds_eval_config passes train_batch_size and micro_batch_size with packing too)
+        per = s["micro_batch_size"] * ranks
+        if s["train_batch_size"] % per:
+            why = "with packing off" if not s["packing"] else "with kl_coef > 0 (a reference model)"
+            raise SettingsError(f"preset {source}: {why}, train_batch_size ({s['train_batch_size']}) must be a "
+                                f"multiple of micro_batch_size x gpus_per_node x nodes ({s['micro_batch_size']} x "
+                                f"{s['gpus_per_node']} x {s['nodes']} = {per})")
+
+
+def check_algorithm(s: dict, algo: dict, source: str) -> None:
+    """The checks that need the algorithm's settings too (known once ``presets.resolve`` has merged them)."""
+    # length_penalty.py apply_overlong_penalty asserts max_new_tokens >= overlong_buffer_len, at the first step's
+    # reward shaping (minutes into a GPU run); max_new_tokens is our max_response_len
+    if algo["overlong_shaping"] and algo["overlong_buffer_len"] > s["max_response_len"]:
+        raise SettingsError(f"preset {source}, algorithm {algo['name']}: overlong_buffer_len "
+                            f"({algo['overlong_buffer_len']}) must be <= max_response_len ({s['max_response_len']}), "
+                            "(the penalised zone is the end of the response limit)")
 
 
 def _fmt(value) -> str:
@@ -143,6 +214,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     """
     s = resolved["settings"]
     algo = resolved["algo"]
+    check_algorithm(s, algo, resolved["preset"])
     out = Path(out)
     notes: list[str] = []
     run_name = f"{resolved['preset']}-{algo['name']}"
@@ -257,10 +329,15 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
         env["STARE_TOOL_MAX_TURNS"] = str(s["tool_max_turns"])
         env["STARE_TOOL_TIMEOUT_S"] = _fmt(s["tool_timeout_s"])
     ray = {"address": ray_address, "start_local_head": not ray_address,  # no address: a head starts here
-           "runtime_env": {"env_vars": env}}
-    env_prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+           "dashboard": s["ray_dashboard"], "runtime_env": {"env_vars": env}}
+    if ray_address and s["ray_dashboard"]:
+        notes.append("ray_dashboard: joining a cluster, whose head decides on its dashboard "
+                     "(ray start --head --include-dashboard=true)")
+    # the driver's own variables (not the workers'): launch.main reads them when the command is pasted
+    driver = {DASHBOARD_ENV: "1" if s["ray_dashboard"] else "0"}
     if ray_address:
-        env_prefix = f"RAY_ADDRESS={shlex.quote(ray_address)} " + env_prefix
+        driver = {"RAY_ADDRESS": ray_address, **driver}
+    env_prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**driver, **env}.items())
     command = f"{env_prefix} python -m stare.cli.openrlhf_backend.launch " + shlex.join(a)
     return {"openrlhf_argv": a, "command": command, "stare": stare, "ray": ray, "notes": notes,
             "preset": resolved["preset"], "algo": algo["name"], "out": str(out)}

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .argv import PROMPT_FILE, REWARD_TIMEOUT_ENV, SETTINGS_ENV, build_launch
+from .argv import DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SETTINGS_ENV, build_launch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REWARD_FILE = PACKAGE_DIR / "reward.py"
@@ -85,7 +85,8 @@ def start(resolved: dict, launch_plan: dict, *, log=print) -> None:
     log(f"  {info['problems']} problems (from {info['rows']} rows)")
     (out / "command.sh").write_text("#!/usr/bin/env bash\n" + launch_plan["command"] + "\n")
     os.environ.update(launch_plan["ray"]["runtime_env"]["env_vars"])
-    launch(launch_plan["openrlhf_argv"], ray_address=launch_plan["ray"]["address"])
+    launch(launch_plan["openrlhf_argv"], ray_address=launch_plan["ray"]["address"],
+           dashboard=launch_plan["ray"]["dashboard"])
 
 
 def runtime_env(environ=None) -> dict:
@@ -103,18 +104,45 @@ def substitute_secrets(argv: list[str], environ=None) -> list[str]:
     return [key if a == WANDB_PLACEHOLDER else a for a in argv]
 
 
-def launch(argv: list[str], *, ray_address: str | None = None, environ=None) -> None:
+def dashboard_from_env(environ=None) -> bool:
+    """The ``ray_dashboard`` setting as the printed command carries it (``STARE_RAY_DASHBOARD=0|1``; unset: off)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(DASHBOARD_ENV, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", ""):
+        raise LaunchError(f"{DASHBOARD_ENV}={environ[DASHBOARD_ENV]!r}: expected 0 or 1")
+    return value in ("1", "true")
+
+
+def ray_init_kwargs(ray_address: str | None, dashboard: bool, environ=None) -> dict:
+    """The arguments of ``ray.init``: the dashboard is ours to choose only for a head started here.
+
+    Joining a cluster (``ray_address``, or ``RAY_ADDRESS``, which Ray reads itself) passes no
+    ``include_dashboard``: Ray ignores it for HOST:PORT, and for ray://HOST:PORT forwards it to a ``ray.init``
+    on the cluster; the cluster's head already decided (``ray start --head --include-dashboard``)."""
+    kwargs = {"address": ray_address or None, "runtime_env": runtime_env(environ)}
+    if not (ray_address or os.environ.get("RAY_ADDRESS")):
+        kwargs["include_dashboard"] = bool(dashboard)  # None would start it whenever ray[default] is installed
+    return kwargs
+
+
+def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool | None = None,
+           environ=None) -> None:
     """Start Ray (or join ``ray_address``), register the STARE actor, run OpenRLHF's train_ppo_ray.
 
+    A Ray head started here has no dashboard unless ``dashboard`` (the ``ray_dashboard`` setting; None: read
+    ``STARE_RAY_DASHBOARD`` from the environment, as the printed command sets it): on a small machine starting
+    it stalled Ray's start by a minute and logged "Failed to start the dashboard".
     The address is not probed here: ``stare train`` and ``main`` check it before anything starts."""
     from . import plugin  # checks the OpenRLHF version on import
 
     plugin.load_settings(environ)  # fail here, not in a worker, on bad settings
     argv = substitute_secrets(argv, environ)
+    if dashboard is None:
+        dashboard = dashboard_from_env(environ)
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=ray_address or None, runtime_env=runtime_env(environ))
+        ray.init(**ray_init_kwargs(ray_address, dashboard, environ))
     plugin.register()
     saved = sys.argv
     sys.argv = [OPENRLHF_MODULE, *argv]
