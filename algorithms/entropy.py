@@ -27,6 +27,7 @@ whole.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Iterator, NamedTuple
 
@@ -138,12 +139,18 @@ def _rows(x: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
+def _triton_problem() -> str | None:
+    """Why the Triton kernel cannot be used here, or None. Importing ``_entropy_triton`` checks what it needs
+    (``triton.language`` and ``triton.knobs``, Triton 3.4 or later), not only that some ``triton`` imports."""
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        importlib.import_module(f"{__package__}._entropy_triton")
+    except (ImportError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _triton_available() -> bool:
+    return _triton_problem() is None
 
 
 def _resolve_kernel(kernel: str, device: torch.device) -> str:
@@ -152,8 +159,8 @@ def _resolve_kernel(kernel: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
     if kernel == "triton":
         if not _triton_available():
-            raise ValueError("kernel='triton' needs the triton package (pip install triton); "
-                             "use kernel='torch' or 'auto'")
+            raise ValueError(f"kernel='triton' needs the triton package, 3.4 or later (pip install triton): "
+                             f"{_triton_problem()}; use kernel='torch' or 'auto'")
         from . import _entropy_triton
         if device.type != "cuda" and not _entropy_triton.interpreting():
             raise ValueError(f"kernel='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 in the "
@@ -183,8 +190,8 @@ def entropy_sensitivity(
     ``"compiled"`` (the same sums fused by ``torch.compile``, any device: 1.5-2.4x the torch path's speed on
     CPU, after a compilation of 7-20 s per process and input kind; ``chunk_size`` is ignored), ``"cpp"`` (CPU
     tensors: the same sums as a C++ loop built once per machine with its compiler, about 3.5x the torch path on
-    one core; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA when it imports, else torch). No host
-    synchronisation on any path. ``with_phi=False`` returns ``phi=None`` and, on the torch path, skips Phi's two
+    one core; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA when the kernel module imports, else
+    torch). No host synchronisation on any path. ``with_phi=False`` returns ``phi=None`` and, on the torch path, skips Phi's two
     reductions over the vocabulary (entropy and surprisal are the same numbers either way); for callers that need
     only the gate's entropy.
     """

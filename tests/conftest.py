@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 TESTS_DIR = str(Path(__file__).resolve().parent) + os.sep
-ALGORITHM_TESTS = ("test_advantages.py", "test_controllers.py", "test_entropy.py", "test_loss.py",
-                   "test_selection.py")
+ALGORITHM_TESTS = ("test_advantages.py", "test_baselines.py", "test_controllers.py", "test_entropy.py",
+                   "test_entropy_kernels.py", "test_loss.py", "test_selection.py", "test_step.py")
 DEVICES = ("cpu", "cuda")
 
 
@@ -38,6 +38,8 @@ test_device.__test__ = False  # a helper, not a test
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: an algorithm test that also runs on a GPU (pytest -m cuda --device cuda)")
+    config.addinivalue_line("markers", "cpu_only: a test in an algorithm test file that checks CPU-only code or "
+                                       "compares with CPU worker processes; not marked cuda")
     dev = test_device(config)
     if dev == "cuda":
         import torch
@@ -48,7 +50,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in ALGORITHM_TESTS:
+        if item.path.name in ALGORITHM_TESTS and item.get_closest_marker("cpu_only") is None:
             item.add_marker(pytest.mark.cuda)
 
 

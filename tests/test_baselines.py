@@ -377,6 +377,7 @@ def _rank_main(rank, world, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.cpu_only  # the ranks are CPU processes over gloo; their batch comes from the CPU generator
 def test_two_ranks_equal_one_process_on_the_union(tmp_path):
     import torch.multiprocessing as mp
 

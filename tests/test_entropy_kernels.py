@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from conftest import test_device
 from stare.algorithms import entropy_sensitivity
 from stare.algorithms.entropy import KERNELS, _resolve_kernel
 
@@ -39,10 +40,26 @@ def assert_matches(stats, logits, actions, temperature=1.0, tol=1e-5):
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
+ON_CPU_ONLY = {"cpp": "kernel='cpp' runs on CPU tensors",
+               "compiled": "kernel='compiled' is measured on CPU (on CUDA a TorchInductor build per input kind would "
+                           "take the GPU check's time; auto never picks it)"}
+
+
+def skip_off_cpu(kernel_name: str, config) -> None:
+    """Under ``--device cuda`` (the GPU check) the kernels that only the CPU runs are skipped."""
+    if kernel_name in ON_CPU_ONLY and test_device(config) != "cpu":
+        pytest.skip(ON_CPU_ONLY[kernel_name])
+
+
 @pytest.fixture(scope="module")
-def interpreter():
-    """The Triton kernel module compiled for the CPU interpreter; restored afterwards."""
+def interpreter(request):
+    """The Triton kernel module compiled for the CPU interpreter; restored afterwards. Under ``--device cuda`` the
+    real kernel module instead, compiled for the GPU."""
     pytest.importorskip("triton")
+    if test_device(request.config) == "cuda":
+        from stare.algorithms import _entropy_triton
+        yield _entropy_triton
+        return
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. when the module is (re)imported
     from stare.algorithms import _entropy_triton
@@ -58,6 +75,7 @@ def interpreter():
 
 @pytest.fixture(params=["torch", "triton", "compiled", "cpp"])
 def kernel(request):
+    skip_off_cpu(request.param, request.config)
     if request.param == "triton":
         request.getfixturevalue("interpreter")
     return request.param
@@ -161,6 +179,7 @@ def test_strided_views_and_shapes(kernel):
 def test_fused_kernels_neg_inf_logits_and_bad_actions(fused, request):
     """-inf entries (a masked vocabulary) count as p = 0 (an action on one has s_a = inf and Phi its p_a -> 0 limit);
     an action id outside [0, V) gives NaN, not a wild read; an all -inf row gives NaN."""
+    skip_off_cpu(fused, request.config)
     if fused == "triton":
         request.getfixturevalue("interpreter")
     g = torch.Generator().manual_seed(15)
@@ -253,6 +272,7 @@ def test_torch_path_numbers_do_not_depend_on_the_layout():
             assert all(torch.equal(a, b) for a, b in zip(got, want)), kw
 
 
+@pytest.mark.cpu_only  # CPU tensors by design (errors name the device cpu; no CUDA kernel is expected)
 def test_kernel_choice(monkeypatch):
     logits = torch.randn(3, 10)
     actions = torch.zeros(3, dtype=torch.long)
@@ -331,6 +351,7 @@ def test_triton_kernel_compiles_for_hopper():
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.cpu_only  # kernel='cpp' runs on CPU tensors
 def test_cpp_kernel_at_a_real_vocabulary():
     """Qwen's 151,936 logits per row: each of the 16 float lanes sums 64 terms at a time before handing them to a
     double lane (about 150 hand-overs per row); within the matrix's tolerance of the float64 computation (sharp and
@@ -343,6 +364,7 @@ def test_cpp_kernel_at_a_real_vocabulary():
     assert_matches(entropy_sensitivity(logits, actions, kernel="cpp"), logits, actions)
 
 
+@pytest.mark.cpu_only  # kernel='cpp' runs on CPU tensors
 def test_cpp_kernel_is_built_once_per_machine_into_its_cache(tmp_path):
     """Built at first use into $STARE_KERNEL_CACHE, loaded from there by the next process (not rebuilt); a compiler
     that fails, or a cache that cannot be written, gives a RuntimeError that names the ways out."""
@@ -372,3 +394,28 @@ def test_cpp_kernel_is_built_once_per_machine_into_its_cache(tmp_path):
     failed = subprocess.run([sys.executable, "-c", code], env=unwritable, capture_output=True, text=True, timeout=300)
     assert failed.returncode != 0 and "kernel='cpp' could not build" in failed.stderr, failed.stderr[-2000:]
     assert "STARE_KERNEL_CACHE" in failed.stderr
+
+
+def test_an_old_triton_without_knobs_means_the_torch_path(monkeypatch):
+    """_entropy_triton needs ``from triton import knobs`` (Triton >= 3.4): with an older Triton, whose ``import
+    triton`` works, auto must keep CUDA on the torch path (not pick a kernel that cannot import) and
+    kernel='triton' must say why."""
+    import sys
+    import types
+
+    from stare.algorithms import entropy as entropy_module
+
+    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+        monkeypatch.delitem(sys.modules, name)  # the real Triton's modules, put back afterwards
+    old = types.ModuleType("triton")  # an old Triton: triton and triton.language import, triton.knobs does not
+    old.__version__ = "3.2.0"
+    monkeypatch.setitem(sys.modules, "triton", old)
+    monkeypatch.setitem(sys.modules, "triton.language", types.ModuleType("triton.language"))
+    monkeypatch.delitem(sys.modules, "stare.algorithms._entropy_triton", raising=False)
+    entropy_module._triton_problem.cache_clear()
+    try:
+        assert _resolve_kernel("auto", torch.device("cuda")) == "torch"
+        with pytest.raises(ValueError, match=r"needs the triton package, 3.4 or later .*knobs"):
+            _resolve_kernel("triton", torch.device("cuda"))
+    finally:
+        entropy_module._triton_problem.cache_clear()  # the real Triton again for the tests after this one
