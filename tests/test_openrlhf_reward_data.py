@@ -147,12 +147,13 @@ def test_start_writes_the_prompt_file_the_argv_names_then_launches(tmp_path, mon
     resolved = resolve("qwen-7b-short-cot", "stare", [f"data={src}"])
     plan = orl.plan(resolved, tmp_path / "run")
     called = {}
-    monkeypatch.setattr(orl, "launch", lambda argv, ray_address=None: called.update(argv=argv, address=ray_address))
+    monkeypatch.setattr(orl, "launch", lambda argv, ray_address=None, dashboard=None: called.update(
+        argv=argv, address=ray_address, dashboard=dashboard))
     import os
 
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != SETTINGS_ENV})  # restored after
     orl.start(resolved, plan, log=lambda *a: None)
-    assert called == {"argv": plan["openrlhf_argv"], "address": None}
+    assert called == {"argv": plan["openrlhf_argv"], "address": None, "dashboard": False}  # ray_dashboard's default
     argv = plan["openrlhf_argv"]
     prompt_file = argv[argv.index("--data.prompt_dataset") + 1]
     rows = [json.loads(x) for x in open(prompt_file)]
