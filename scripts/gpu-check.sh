@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check (one command, under 10 minutes on one H200): the benchmarks at real size with --device cuda, the
-# algorithm tests on CUDA (pytest marker `cuda`) and `stare run --preset tiny-cpu --set device=cuda`, into one JSON
-# file of figures (default runs/gpu-check/gpu-check.json). For a stock CUDA PyTorch image with this package installed by
-#   pip install --no-deps --no-build-isolation -e .
-# Steps whose modules are missing are skipped and named. `--dry-run` prints the plan; `--help` for the flags.
+# The GPU check (one command, under 10 minutes on one H200): the fused Triton kernel at 8,192 x 151,936 bf16, the
+# algorithm tests on CUDA (pytest marker `cuda`), `stare run --preset tiny-cpu --set device=cuda`, then the other
+# benchmarks at real size, into one JSON file of figures and one log. On the lent machine:
+#   bash scripts/gpu-check.sh --out "$OUT/gpu-check" --budget 500
+# Nothing needs installing: stare is imported from this working tree (a path mapping), and the wheels in
+# gpu-wheels/ (scripts/gpu-wheels.sh), if any, are installed into a temporary folder with --no-index.
+# `--dry-run` does that set-up and says whether each step's modules import here; `--help` for the flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

@@ -1,88 +1,206 @@
-"""The GPU check behind ``scripts/gpu-check.sh``: benchmarks at real size on CUDA, the algorithm tests on CUDA,
-and ``stare run --preset tiny-cpu --set device=cuda``, each as a subprocess with a time limit, into one JSON file
-of figures.
+"""The GPU check behind ``scripts/gpu-check.sh``: the fused Triton kernel at 8,192 x 151,936 bf16, the algorithm
+tests on CUDA, ``stare run --preset tiny-cpu --set device=cuda``, then the other benchmarks at real size, each as a
+subprocess (its own process group) with a time limit, into one JSON file of figures and one combined log.
 
-Meant for a stock CUDA PyTorch image (its own torch, triton, transformers; no vLLM, DeepSpeed or OpenRLHF; no
-network; no model download) with this package installed by ``pip install --no-deps --no-build-isolation -e .``.
-A step whose modules are missing there is skipped and says which; a failed step does not stop the others. The
-whole check stops starting steps once ``--budget`` seconds are spent (default 540: under 10 minutes on one H200).
+Written for the machine it runs on when a GPU is lent: a stock CUDA PyTorch image (its own torch, triton,
+transformers; no vLLM, DeepSpeed, OpenRLHF, math-verify or datasets), no network, the working tree copied in, and
+only ``--out`` coming back (at most 8 files). Nothing is installed into that Python: ``stare`` is made importable
+from the working tree by a path mapping (a temporary folder holding ``stare/{cli,algorithms,eval,configs}`` as links
+to the tree's folders, put first on ``PYTHONPATH``), and the wheels in ``gpu-wheels/`` (``scripts/gpu-wheels.sh``),
+if any, go into a temporary ``--target`` folder with ``pip --no-index``. ``--dry-run`` does the same set-up, then
+imports each step's modules in a subprocess with the steps' environment (and collects the tests), so it says
+exactly which steps would run there; it writes nothing under ``--out``.
 
-Standard library only until a step runs, so ``--dry-run`` works anywhere.
+Standard library only (torch is imported for the device check), so ``--dry-run`` works anywhere.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
+WHEELS = REPO / "gpu-wheels"  # scripts/gpu-wheels.sh fills it; travels only when the device tool's carry names it
+# the import package stare's parts -> the working tree's folders (pyproject's [tool.setuptools.package-dir]; a
+# test compares them)
+PACKAGE_DIRS = {"cli": "stare_cli", "algorithms": "algorithms", "eval": "eval", "configs": "configs"}
+# The algorithm tests (conftest's ALGORITHM_TESTS; a test compares them): run with -m cuda --device cuda.
+ALGORITHM_TESTS = ("test_advantages.py", "test_baselines.py", "test_controllers.py", "test_entropy.py",
+                   "test_entropy_kernels.py", "test_loss.py", "test_selection.py", "test_step.py")
+VOCAB = 151_936
+DEFAULT_BUDGET = 500  # s: the documented command's; the device tool allows 600 s a command
+MIN_STEP_S = 20  # a step is not started with less than this left
 
-# Real sizes: entropy/Phi over 8 x 4096 tokens of Qwen's vocabulary in bf16; the loss on an 8 x 4096 micro-batch;
-# the selection over a 512 x 4096-token step (the benchmarks' own defaults for the last two).
-ENTROPY_N, VOCAB = 8 * 4096, 151_936
+
+class Step(NamedTuple):
+    cmd: list[str]  # "{out}" -> the run's scratch folder (not --out: only figures go there)
+    limit: int  # s
+    imports: tuple[str, ...]  # modules the step needs, imported by the dry run's probe
+    what: str
 
 
 def bench(script: str, *args: str) -> list[str]:
     return [PY, f"benchmarks/{script}", "--device", "cuda", *args]
 
 
-# name -> (command, time limit in s, modules it needs beyond torch, what it is)
-STEPS: dict[str, tuple[list[str], int, tuple[str, ...], str]] = {
-    "bench-entropy": (bench("bench_entropy.py", "--n", str(ENTROPY_N), "--vocab", str(VOCAB), "--dtype", "bf16",
-                            "--repeats", "5", "--mem-repeats", "2"), 240, (),
-                      "entropy/surprisal/Phi, chunked vs naive vs full-grad, 8 x 4096 tokens, V 151,936, bf16"),
-    "bench-weighted-loss": (bench("bench_weighted_loss.py"), 90, (),
-                            "policy_loss fwd+bwd with STARE weights vs without, 8 x 4096"),
-    "bench-selection": (bench("bench_selection.py"), 90, (), "stare_token_weights over 512 x 4096 vs one kthvalue"),
-    # ---- the Triton entropy kernel (h5-kernel's `entropy_sensitivity(kernel=...)`) -----------------------------
-    # Filled in by kernel_step() below when bench_entropy.py has a --kernel flag; put a dedicated kernel benchmark
-    # here instead if one is added (same shape: 8 x 4096 tokens, V 151,936, bf16).
-    # ---------------------------------------------------------------------------------------------------------
-    "algorithm-tests-cuda": ([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "--device", "cuda",
-                              "--junitxml", "{out}/algorithm-tests.xml"]
-                             + [f"tests/{name}" for name in ("test_advantages.py", "test_controllers.py",
-                                                             "test_entropy.py", "test_loss.py", "test_selection.py")],
-                             150, ("pytest",), "the algorithm tests (marker cuda) with their tensors on the GPU"),
-    "stare-run-tiny-cpu": ([PY, "-m", "stare.cli.main", "run", "--preset", "tiny-cpu", "--out", "{out}/tiny-cpu",
-                            "--parallel", "4", "--set", "device=cuda"], 240,
-                           ("typer", "rich", "yaml", "matplotlib", "numpy", "math_verify"),
-                           "the local engine end to end on the GPU (device=cuda: warm starts, training, evaluation; "
-                           "4 arms share the GPU)"),
+BENCH_IMPORTS = ("torch", "_timing", "stare.algorithms")  # _timing: benchmarks/_timing.py (the probe adds the folder)
+TEST_CMD = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda"]
+
+# In the order they run: what matters most first, so a slow start or a slow step costs the least important figures.
+STEPS: dict[str, Step] = {
+    # issue 11's target is stated at 8,192 rows x 151,936 bf16 (<= 1.0 ms on one H200): torch and Triton side by side
+    "bench-entropy-triton": Step(
+        bench("bench_entropy.py", "--n", "8192", "--vocab", str(VOCAB), "--dtype", "bf16", "--repeats", "5",
+              "--mem-repeats", "1", "--kernel", "both"), 150,
+        BENCH_IMPORTS + ("triton", "stare.algorithms._entropy_triton"),
+        "entropy/Phi, torch vs the fused Triton kernel, 8,192 x 151,936 bf16 (target <= 1.0 ms)"),
+    "algorithm-tests-cuda": Step(
+        TEST_CMD + ["--device", "cuda", "--junitxml", "{out}/algorithm-tests.xml"]
+        + [f"tests/{name}" for name in ALGORITHM_TESTS], 200,
+        ("pytest", "torch", "stare.algorithms"), "the algorithm tests (marker cuda) with their tensors on the GPU"),
+    "stare-run-tiny-cpu": Step(
+        [PY, "-m", "stare.cli.main", "run", "--preset", "tiny-cpu", "--out", "{out}/tiny-cpu", "--parallel", "4",
+         "--set", "device=cuda"], 240,
+        ("stare.cli.main", "stare.cli.local.runner", "stare.cli.local.trainer", "stare.cli.local.report",
+         "stare.cli.plots", "transformers", "tokenizers", "typer", "rich", "yaml", "numpy", "matplotlib.pyplot"),
+        "the local engine end to end on the GPU (device=cuda: warm starts, training, evaluation; 4 arms share it)"),
+    "bench-entropy": Step(
+        bench("bench_entropy.py", "--n", str(8 * 4096), "--vocab", str(VOCAB), "--dtype", "bf16", "--repeats", "5",
+              "--mem-repeats", "2"), 150, BENCH_IMPORTS,
+        "entropy/surprisal/Phi, chunked vs naive vs full-grad, 8 x 4096 tokens, V 151,936, bf16"),
+    "bench-weighted-loss": Step(bench("bench_weighted_loss.py"), 60, BENCH_IMPORTS,
+                                "policy_loss fwd+bwd with STARE weights vs without, 8 x 4096"),
+    "bench-selection": Step(bench("bench_selection.py"), 60, BENCH_IMPORTS,
+                            "stare_token_weights over 512 x 4096 vs one kthvalue"),
 }
 
 
-def kernel_step() -> tuple[list[str], int, tuple[str, ...], str] | None:
-    """The Triton kernel benchmark, when the entropy benchmark offers one (``--kernel``)."""
-    source = (REPO / "benchmarks" / "bench_entropy.py").read_text()
-    if "--kernel" not in source:
+def plan() -> dict[str, Step]:
+    return dict(STEPS)
+
+
+# ---- set-up: stare from the working tree, the carried wheels ------------------------------------------------------
+def path_mapping(root: Path) -> Path:
+    """``root/stare/<part>`` -> the working tree's folders: ``stare`` importable with nothing installed."""
+    pkg = root / "stare"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for part, folder in PACKAGE_DIRS.items():
+        link = pkg / part
+        if not link.exists():
+            link.symlink_to(REPO / folder, target_is_directory=True)
+    return root
+
+
+def install_carried(wheels: Path, target: Path) -> str | None:
+    """``pip install --no-index --no-deps --target`` of every wheel in ``wheels``; None when done (or none), else
+    the one-line reason."""
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
         return None
-    # issue 11's target is stated at 8,192 rows x 151,936 bf16 (<= 1.0 ms on one H200): torch and Triton side by side
-    return (bench("bench_entropy.py", "--n", "8192", "--vocab", str(VOCAB), "--dtype", "bf16",
-                  "--repeats", "5", "--mem-repeats", "1", "--kernel", "both"), 180, ("triton",),
-            "entropy/Phi, torch vs the fused Triton kernel, 8,192 x 151,936 bf16 (target <= 1.0 ms)")
+    res = subprocess.run([PY, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                          "--disable-pip-version-check", "--target", str(target), *map(str, found)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or ["pip failed"])[-1]
+        return f"pip install --no-index from {wheels} failed: {last}"
+    return None
 
 
-def plan() -> dict:
-    steps = dict(STEPS)
-    kernel = kernel_step()
-    if kernel is not None:
-        items = list(steps.items())
-        at = [k for k, _ in items].index("bench-selection") + 1
-        steps = dict(items[:at] + [("bench-entropy-triton", kernel)] + items[at:])
-    return steps
+def step_env(scratch: Path, wheels: Path) -> tuple[dict, list[str]]:
+    """The environment every step (and the dry run's probes) runs in, and notes on how it was made."""
+    notes = []
+    mapping = path_mapping(scratch / "path")
+    paths = [str(mapping)]
+    carried = scratch / "carried"
+    problem = install_carried(wheels, carried)
+    if problem:
+        notes.append(problem)
+    elif carried.is_dir():
+        paths.insert(0, str(carried))
+        notes.append(f"installed {len(list(wheels.glob('*.whl')))} carried wheels from {wheels}")
+    old = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
+           "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return env, notes
 
 
-def missing_modules(names) -> list[str]:
-    return [m for m in names if importlib.util.find_spec(m) is None]
+PROBE = """import importlib, sys
+sys.path.insert(0, "benchmarks")
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as e:
+        print(f"import {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        sys.exit(1)
+"""
+
+
+def probe(name: str, step: Step, env: dict, scratch: Path) -> str | None:
+    """None when the step's modules import in ``env`` (and, for the tests, pytest collects them); else why not."""
+    try:
+        res = subprocess.run([PY, "-c", PROBE, *step.imports], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        return "importing its modules took over 120 s"
+    if res.returncode != 0:
+        return (res.stdout.strip() or res.stderr.strip() or f"exit {res.returncode}").splitlines()[-1]
+    if name == "algorithm-tests-cuda":  # the test files import (collection does not need the GPU)
+        files = [c for c in step.cmd if c.startswith("tests/")]
+        res = subprocess.run(TEST_CMD + ["--collect-only", *files], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=180)
+        if res.returncode != 0:
+            lines = [ln for ln in (res.stdout + res.stderr).splitlines() if "Error" in ln] or ["collection failed"]
+            return f"pytest --collect-only: {lines[0].strip()}"
+    return None
+
+
+# ---- running a step -------------------------------------------------------------------------------------------------
+def kill_group(pgid: int, grace: float = 3.0) -> None:
+    """SIGTERM to the whole process group (the step and whatever it started), SIGKILL after ``grace`` s."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_step(cmd: list[str], limit: float, env: dict) -> tuple[int | None, str, float]:
+    """Run ``cmd`` in a session of its own for at most ``limit`` s; whatever it started is ended with it.
+    Returns (exit code, None on time-out; its output; seconds)."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            rc = None
+        kill_group(proc.pid)  # on a time-out the step; in any case what it left behind (workers, arms)
+        proc.wait()
+        log.seek(0)
+        output = log.read()
+    return rc, output, time.monotonic() - t0
 
 
 def parse_result(output: str) -> dict | None:
@@ -125,10 +243,10 @@ def environment() -> dict:
             env["gpu_count"] = torch.cuda.device_count()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         env["torch_error"] = f"{type(e).__name__}: {e}"
-    for mod in ("triton", "transformers", "vllm", "deepspeed", "openrlhf"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import version
 
+    for mod in ("triton", "transformers", "vllm", "deepspeed", "openrlhf", "math-verify"):
+        try:
             env[mod] = version(mod)
         except Exception:  # noqa: BLE001 - not installed
             env[mod] = None
@@ -137,10 +255,16 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
-    ap.add_argument("--out", default="runs/gpu-check", help="folder for gpu-check.json and step outputs")
-    ap.add_argument("--only", default="", help="comma-separated step names (default: all)")
-    ap.add_argument("--budget", type=int, default=540, help="seconds for the whole check (default 540)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="set up as a run would, check that every step's modules import, run no step, write nothing")
+    ap.add_argument("--out", default="runs/gpu-check",
+                    help="folder for gpu-check.json, gpu-check.log and the tiny run's table and plot (on the lent "
+                         "machine: \"$OUT/gpu-check\", the only folder that comes back)")
+    ap.add_argument("--only", default="", help="comma-separated step names (default: all, in order)")
+    ap.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                    help=f"seconds for the whole check (default {DEFAULT_BUDGET})")
+    ap.add_argument("--wheels", default=str(WHEELS), help="folder of wheels to install with --no-index (default "
+                                                          "gpu-wheels/, made by scripts/gpu-wheels.sh)")
     args = ap.parse_args(argv)
 
     steps = plan()
@@ -149,75 +273,93 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: --only: unknown step {unknown[0]!r}; steps: {', '.join(steps)}", file=sys.stderr)
         return 2
+    names = [s for s in steps if s in names]  # always in the check's order
     if args.budget < 1:
         print(f"error: --budget must be >= 1 second, got {args.budget}", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()
+    wheels = Path(args.wheels).resolve()
 
-    if args.dry_run:
-        print(f"gpu-check (dry run): {len(names)} steps, budget {args.budget} s, figures -> {out / 'gpu-check.json'}")
-        for name in names:
-            cmd, limit, needs, what = steps[name]
-            cmd = [c.replace("{out}", str(out)) for c in cmd]
-            miss = missing_modules(needs)
-            note = f"  [would skip here: missing {', '.join(miss)}]" if miss else ""
-            print(f"- {name} (limit {limit} s): {what}{note}\n    {shlex.join(cmd)}")
-        return 0
+    if not args.dry_run:
+        env0 = environment()
+        if not env0.get("cuda_available"):
+            why = env0.get("torch_error") or f"torch {env0.get('torch')} sees none"
+            print(f"error: no CUDA device ({why}); the GPU check needs one and ran nothing (--dry-run shows the plan)",
+                  file=sys.stderr)
+            return 2
 
-    env = environment()
-    if not env.get("cuda_available"):
-        print("error: no CUDA device visible to torch (the GPU check needs one; --dry-run shows the plan)",
-              file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="stare-gpu-check-") as tmp:
+        scratch = Path(tmp)
+        env, notes = step_env(scratch, wheels)
+        if args.dry_run:
+            return dry_run(steps, names, args, out, env, notes, scratch)
+        return run(steps, names, args, out, env, notes, scratch, env0)
+
+
+def dry_run(steps, names, args, out, env, notes, scratch) -> int:
+    print(f"gpu-check (dry run): {len(names)} steps, budget {args.budget} s, figures -> {out / 'gpu-check.json'}")
+    for note in notes:
+        print(f"  set-up: {note}")
+    blocked = 0
+    for name in names:
+        step = steps[name]
+        cmd = [c.replace("{out}", "<scratch>") for c in step.cmd]  # a temporary folder; only figures go to --out
+        why = probe(name, step, env, scratch)
+        blocked += why is not None
+        state = "runnable" if why is None else f"NOT runnable here: {why}"
+        print(f"- {name} (limit {step.limit} s): {step.what}\n    {shlex.join(cmd)}\n    {state}")
+    print(f"gpu-check (dry run): {len(names) - blocked} of {len(names)} steps runnable in this environment")
+    return 0 if blocked == 0 else 1
+
+
+def run(steps, names, args, out, env, notes, scratch, env0) -> int:
+    work = scratch / "run"
+    work.mkdir()
     out.mkdir(parents=True, exist_ok=True)
     report = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s": args.budget,
-              "environment": env, "steps": {}}
-    path = out / "gpu-check.json"
+              "environment": env0, "setup": notes, "steps": {}}
+    path, log_path = out / "gpu-check.json", out / "gpu-check.log"
+    log_path.write_text("")
     t_start = time.monotonic()
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in names:
-        cmd, limit, needs, what = steps[name]
-        cmd = [c.replace("{out}", str(out)) for c in cmd]
-        row = {"what": what, "command": shlex.join(cmd)}
+        step = steps[name]
+        cmd = [c.replace("{out}", str(work)) for c in step.cmd]
+        row = {"what": step.what, "command": shlex.join(cmd)}
         left = args.budget - (time.monotonic() - t_start)
-        miss = missing_modules(needs)
-        if miss:
-            row.update(status="skipped", reason=f"missing modules: {', '.join(miss)}")
-        elif left < 10:
+        if left < MIN_STEP_S:  # (no import probe here: a step that cannot import fails in seconds, and says why)
             row.update(status="skipped", reason=f"budget spent ({args.budget} s)")
         else:
-            limit = int(min(limit, left))
-            if name == "stare-run-tiny-cpu":
-                shutil.rmtree(out / "tiny-cpu", ignore_errors=True)  # this script's own scratch run from before
+            limit = int(min(step.limit, left))
             print(f"== {name} (limit {limit} s): {shlex.join(cmd)}", flush=True)
-            t0 = time.monotonic()
-            try:
-                res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=limit, env=child_env)
-                output, rc = res.stdout + res.stderr, res.returncode
-                row["status"] = "ok" if rc == 0 else "failed"
+            rc, output, seconds = run_step(cmd, limit, env)
+            row["status"] = "timeout" if rc is None else ("ok" if rc == 0 else "failed")
+            if rc is not None:
                 row["exit_code"] = rc
-            except subprocess.TimeoutExpired as e:
-                output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-                row["status"] = "timeout"
-            row["seconds"] = round(time.monotonic() - t0, 1)
-            (out / f"{name}.log").write_text(output)
-            row["log"] = str(out / f"{name}.log")
+            row["seconds"] = round(seconds, 1)
+            with log_path.open("a") as log:
+                log.write(f"===== {name} ({row['status']}, {row['seconds']} s): {row['command']}\n{output}\n")
             result = parse_result(output)
             if result is not None:
                 row["result"] = result
             if name == "algorithm-tests-cuda":
-                row["tests"] = parse_junit(out / "algorithm-tests.xml")
-            if name == "stare-run-tiny-cpu" and (out / "tiny-cpu" / "comparison.csv").exists():
-                row["comparison_csv"] = (out / "tiny-cpu" / "comparison.csv").read_text()
+                row["tests"] = parse_junit(work / "algorithm-tests.xml")
+            if name == "stare-run-tiny-cpu":
+                tiny = work / "tiny-cpu"
+                for fname in ("comparison.md", "comparison.csv"):
+                    if (tiny / fname).exists():
+                        row[fname.replace(".", "_")] = (tiny / fname).read_text()
+                if (tiny / "entropy.png").exists():
+                    shutil.copy(tiny / "entropy.png", out / "tiny-cpu-entropy.png")
+                    row["entropy_png"] = "tiny-cpu-entropy.png"
             if row["status"] != "ok":
-                row["output_tail"] = output[-2000:]
+                row["output_tail"] = output[-3000:]
             print(f"   {row['status']} in {row['seconds']} s", flush=True)
         report["steps"][name] = row
         report["elapsed_s"] = round(time.monotonic() - t_start, 1)
         path.write_text(json.dumps(report, indent=2) + "\n")  # after every step: a killed check keeps its figures
     statuses = {n: r["status"] for n, r in report["steps"].items()}
-    print(f"gpu-check: {json.dumps(statuses)}; figures in {path}")
-    return 0 if all(s in ("ok", "skipped") for s in statuses.values()) else 1
+    print(f"gpu-check: {json.dumps(statuses)}; figures in {path}, output in {log_path}")
+    return 0 if all(s == "ok" for s in statuses.values()) else 1
 
 
 if __name__ == "__main__":
