@@ -71,9 +71,9 @@ LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True}
 
 
 # what a run may be resumed with changed, by section of its config: where it computes (a checkpoint saved on a GPU
-# resumes on CPU) and with which statistics kernel (the kernels differ only in rounding); folders from before these
-# settings have none of them
-RESUMABLE_CHANGES = {"settings": ("device",), "algo": ("stats_kernel",)}
+# resumes on CPU), whether the Ray head it starts has a dashboard (nothing the training sees) and with which
+# statistics kernel (the kernels differ only in rounding); folders from before these settings have none of them
+RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard"), "algo": ("stats_kernel",)}
 
 
 def _comparable(config: dict) -> dict:

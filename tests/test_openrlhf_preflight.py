@@ -402,3 +402,17 @@ def test_a_bad_dashboard_variable_is_one_line(monkeypatch):
     with pytest.raises(orl.LaunchError, match="STARE_RAY_DASHBOARD='maybe': expected 0 or 1"):
         orl.dashboard_from_env()
     assert orl.dashboard_from_env({"STARE_RAY_DASHBOARD": "1"}) and not orl.dashboard_from_env({})
+
+
+def test_a_gpu_run_folder_from_before_the_dashboard_setting_resumes_with_it_on_or_off(tmp_path):
+    import yaml
+
+    from stare.cli.rundir import RunDirError, check_run_dir
+
+    resolved = resolve("qwen-7b-short-cot", "stare")
+    old = {**resolved, "settings": {k: v for k, v in resolved["settings"].items() if k != "ray_dashboard"}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    for sets in ([], ["ray_dashboard=true"]):
+        assert check_run_dir(tmp_path, resolve("qwen-7b-short-cot", "stare", sets), resume=True) is True
+    with pytest.raises(RunDirError, match="other settings"):  # a setting the training sees still counts
+        check_run_dir(tmp_path, resolve("qwen-7b-short-cot", "stare", ["lr=2e-6"]), resume=True)
