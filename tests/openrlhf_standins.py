@@ -9,8 +9,9 @@ import importlib.machinery
 import sys
 import types
 
+FLASH_ATTN_MODULES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed")
 MODULES = (
-    "flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed",
+    *FLASH_ATTN_MODULES,
     "vllm", "vllm.inputs", "vllm.utils", "vllm.distributed", "vllm.distributed.device_communicators",
     "vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils",
 )
@@ -28,8 +29,8 @@ def _stub_class(name: str):
     return type(name.rsplit(".", 1)[-1], (), {"__init__": _unavailable(name)})
 
 
-def install() -> None:
-    """Put the stand-ins into ``sys.modules`` (no-op for a module that really is installed)."""
+def install(modules=MODULES) -> None:
+    """Put the stand-ins for ``modules`` into ``sys.modules`` (no-op for a module that really is installed)."""
     attrs = {
         "flash_attn.bert_padding": ["index_first_axis", "pad_input", "rearrange", "unpad_input"],
         "flash_attn.utils.distributed": ["all_gather"],
@@ -41,7 +42,7 @@ def install() -> None:
         "vllm.distributed.device_communicators.pynccl": ["PyNcclCommunicator"],
         "vllm.distributed.utils": ["StatelessProcessGroup"],
     }
-    for name in MODULES:
+    for name in modules:
         root = name.split(".")[0]
         if root in sys.modules and not getattr(sys.modules[root], "__stare_standin__", False):
             continue

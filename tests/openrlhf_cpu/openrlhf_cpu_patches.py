@@ -1,0 +1,305 @@
+"""Test-only patches that let OpenRLHF 0.11.2's real ``train_ppo_ray`` loop run on a CPU-only machine.
+
+Used by ``tests/test_openrlhf_e2e.py`` only. The product (``stare_cli/``) never patches OpenRLHF: on GPUs it runs
+OpenRLHF as released. ``sitecustomize.py`` beside this file installs the patches at interpreter start-up in every
+process of a run (the ``stare train`` driver, Ray's actors, and the EngineCore and Worker processes vLLM spawns,
+which load OpenRLHF's ``WorkerWrap`` by name), when ``STARE_E2E_CPU_PATCHES=1`` and this folder is on
+``PYTHONPATH``.
+
+Each patch names what it replaces and why. A post-import hook applies it right after its module is first
+imported, and first checks that the code it replaces still looks the way this file was written against (a marker
+in the original's source). When it does not, the hook raises ``PatchDoesNotApply`` and the import fails, so an
+OpenRLHF, vLLM or torch upgrade that moves the code makes the end-to-end test fail instead of silently testing
+something else. Every applied patch is recorded as a line in ``$STARE_E2E_PATCH_LOG`` (the test checks that all
+of them ran somewhere).
+
+Two test hooks ride along: ``STARE_E2E_CRASH_AFTER_STEP=N`` makes the policy actor exit right after writing step
+N's checkpoint (a kill, for the resume test), and ``STARE_E2E_SKIP_WEIGHT_LOAD=1`` makes the vLLM worker receive
+each weight sync but load nothing (the negative control of the weight-sync check). ``STARE_E2E_EXTRA_ARGS``
+appends OpenRLHF flags that only a CPU run needs (argparse keeps the last value of a repeated flag).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import inspect
+import os
+import shlex
+import sys
+
+PATCH_LOG_ENV = "STARE_E2E_PATCH_LOG"
+CRASH_ENV = "STARE_E2E_CRASH_AFTER_STEP"
+SKIP_LOAD_ENV = "STARE_E2E_SKIP_WEIGHT_LOAD"
+EXTRA_ARGS_ENV = "STARE_E2E_EXTRA_ARGS"
+CRASH_EXIT_CODE = 17
+
+
+class PatchDoesNotApply(RuntimeError):
+    """The code a patch replaces is not what the patch was written against (a version moved it)."""
+
+
+def _record(name: str) -> None:
+    path = os.environ.get(PATCH_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{name} {os.getpid()}\n")
+
+
+def _expect(obj, marker: str, patch: str) -> None:
+    """Refuse to patch ``obj`` unless its source still contains ``marker``."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError) as exc:
+        raise PatchDoesNotApply(f"patch {patch}: cannot read the source of {obj!r} ({exc})") from None
+    if marker not in source:
+        raise PatchDoesNotApply(f"patch {patch}: {getattr(obj, '__qualname__', obj)} no longer contains "
+                                f"{marker!r}; re-read it and update tests/openrlhf_cpu/openrlhf_cpu_patches.py")
+
+
+# ---- 1. torch.cuda's device functions ----------------------------------------------------------------------
+def patch_torch_cuda(torch) -> None:
+    """Replaces ``torch.cuda.current_device`` (returns ``"cpu"``), ``set_device``, ``synchronize`` and
+    ``current_stream`` (no-ops). On the CPU build of torch they raise, and OpenRLHF calls them unconditionally
+    (``BaseModelActor.empty_cache``, ``ActorPPOTrainer.__init__/ppo_train/fit/broadcast_to_vllm``,
+    ``DeepspeedStrategy.setup_distributed``, ``torch_dist_barrier_and_cuda_sync``). ``is_available()`` stays
+    False, and ``device=torch.cuda.current_device()`` then means the CPU."""
+    if torch.version.cuda is not None:
+        raise PatchDoesNotApply(f"patch torch-cuda: torch {torch.__version__} is a CUDA build; these patches are "
+                                "for the CPU build only")
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.current_stream = lambda device=None: None
+    _record("torch-cuda")
+
+
+# ---- 2. vLLM CPU's bf16 attention kernel and AMX ---------------------------------------------------------------
+def patch_vllm_cpu_attn(module) -> None:
+    """Asks Linux for the AMX tile-data permission once per process (``torch._C._cpu._init_amx``). vLLM CPU's
+    ``_get_attn_isa`` picks its "amx" kernel for bf16 on CPUs that report AMX, and that kernel runs tile
+    instructions without asking, so the worker dies with SIGILL on its first forward; OpenRLHF hard-codes
+    ``dtype="bfloat16"`` for its engines. Harmless where the CPU has no AMX."""
+    _expect(module._get_attn_isa, '"amx"', "vllm-amx")
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()
+    _record("vllm-amx")
+
+
+# ---- 3. the replay buffer's device -----------------------------------------------------------------------------
+def patch_replay_buffer(module) -> None:
+    """Replaces ``NaiveReplayBuffer.__init__``'s ``target_device``: it builds ``torch.device(f"cuda:{
+    torch.cuda.current_device()}")``, the device every training micro-batch is moved to; here it is the CPU."""
+    cls = module.NaiveReplayBuffer
+    _expect(cls.__init__, 'torch.device(f"cuda:{torch.cuda.current_device()}")', "replay-buffer")
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        import torch
+
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0  # only for the f-string; replaced right after
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+        self.target_device = torch.device("cpu")
+
+    cls.__init__ = __init__
+    _record("replay-buffer")
+
+
+# ---- 4. the DeepSpeed strategy's device mesh ------------------------------------------------------------------
+def patch_device_mesh(module) -> None:
+    """Replaces the module-level ``init_device_mesh`` that ``DeepspeedStrategy.setup_distributed`` calls with
+    ``"cuda"``: the DP/SP/TP mesh is built on ``"cpu"`` (gloo)."""
+    _expect(module.DeepspeedStrategy.setup_distributed, '"cuda", (dp_size', "device-mesh")
+    original = module.init_device_mesh
+
+    def init_device_mesh(device_type, *args, **kwargs):
+        return original("cpu", *args, **kwargs)
+
+    module.init_device_mesh = init_device_mesh
+    _record("device-mesh")
+
+
+# ---- 5. the DeepSpeed -> vLLM weight-sync group -----------------------------------------------------------------
+class GlooBroadcastGroup:
+    """What OpenRLHF uses of vLLM's ``PyNcclCommunicator``: ``broadcast(tensor, src, stream)``, over gloo, on a
+    ``TCPStore`` with the same address, port and ranks (rank 0, the DeepSpeed side, hosts the store)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=600)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("stare-weight-sync", store), rank, world_size, timeout)
+
+    def broadcast(self, tensor, src: int, stream=None) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        self.group.broadcast([tensor], options).wait()
+
+
+def patch_sync_group(module) -> None:
+    """Replaces ``distributed_util.stateless_init_process_group``: it builds vLLM's ``StatelessProcessGroup`` and a
+    ``PyNcclCommunicator`` (NCCL, CUDA only). Applied when the module is imported, before ``ppo_actor.py`` imports
+    the name. (``--vllm.sync_with_ray`` with gloo is no way round: Ray's gloo group calls ``dist.new_group`` on
+    the default group, which DeepSpeed and vLLM have each initialised on their own.)"""
+    _expect(module.stateless_init_process_group, "PyNcclCommunicator", "sync-group")
+
+    def stateless_init_process_group(master_address, master_port, rank, world_size, device):
+        return GlooBroadcastGroup(master_address, master_port, rank, world_size)
+
+    module.stateless_init_process_group = stateless_init_process_group
+    _record("sync-group")
+
+
+# ---- 6. the vLLM worker's weight update ------------------------------------------------------------------------
+def patch_worker_update_weight(module) -> None:
+    """Replaces ``WorkerWrap.update_weight``: (a) it receives into ``torch.empty(..., device="cuda")``; here the
+    worker's own device. (b) ``model_runner.model.load_weights`` fails on vLLM CPU once the engine is up (its
+    linear layers' weights were prepacked for the CPU GEMM and ``weight`` removed). The broadcast tensors are kept
+    until the sync's last parameter (OpenRLHF sends ``empty_cache=True`` with it), then loaded together with the
+    worker's ``reload_weights`` (vLLM's in-place reload, which prepacks again; all at once, because a fused layer
+    such as ``qkv_proj`` reloaded from one shard would lose the others). ``STARE_E2E_SKIP_WEIGHT_LOAD=1``:
+    receive, load nothing (the negative control)."""
+    cls = module.WorkerWrap
+    _expect(cls.update_weight, 'device="cuda"', "worker-update-weight")
+    _expect(cls.update_weight, "load_weights", "worker-update-weight")
+
+    def update_weight(self, name, dtype, shape, empty_cache=False):
+        import torch
+
+        if dtype != self.model_config.dtype:
+            raise AssertionError(f"mismatch dtype: src {dtype}, dst {self.model_config.dtype}")
+        weight = torch.empty(shape, dtype=dtype, device=self.device)
+        self._model_update_group.broadcast(weight, src=0, stream=None)
+        pending = self.__dict__.setdefault("_stare_pending_weights", [])
+        pending.append((name, weight))
+        if not empty_cache:
+            return
+        self._stare_pending_weights = []
+        if os.environ.get(SKIP_LOAD_ENV) == "1":
+            return
+        self.reload_weights(weights_iterator=iter(pending))
+
+    cls.update_weight = update_weight
+    _record("worker-update-weight")
+
+
+# ---- 7. flash_attn, imported at module level ---------------------------------------------------------------------
+def install_flash_attn_standins() -> None:
+    """``flash_attn``, ``flash_attn.bert_padding`` and ``flash_attn.utils.distributed`` as import-only stand-ins
+    that raise if called (``tests/openrlhf_standins.py``): ``models/ring_attn_utils.py`` imports them at module
+    level, and the STARE plugin imports that module. ``flash_attn.ops`` stays missing, so ``models/utils.py``
+    ``log_probs_from_logits`` takes its pure-torch fallback."""
+    import openrlhf_standins
+
+    openrlhf_standins.install(openrlhf_standins.FLASH_ATTN_MODULES)
+    _record("flash-attn")
+
+
+# ---- test hooks --------------------------------------------------------------------------------------------------
+def patch_trainer_crash(module) -> None:
+    """``STARE_E2E_CRASH_AFTER_STEP=N``: the policy actor exits right after writing step N's checkpoint (DeepSpeed's
+    and the STARE controller state beside it), which fails OpenRLHF's trainer and the driver as a kill would."""
+    step = int(os.environ.get(CRASH_ENV) or 0)
+    if not step:
+        return
+    cls = module.StarePolicyModelActor
+    _expect(cls.save_checkpoint, "save_stare_state", "trainer-crash")
+    original = cls.save_checkpoint
+
+    def save_checkpoint(self, tag, *args, **kwargs):
+        original(self, tag, *args, **kwargs)
+        if tag == f"global_step{step}":
+            print(f"STARE e2e: exiting after step {step}'s checkpoint", flush=True)
+            os._exit(CRASH_EXIT_CODE)
+
+    cls.save_checkpoint = save_checkpoint
+    _record("trainer-crash")
+
+
+def patch_extra_args(module) -> None:
+    """``STARE_E2E_EXTRA_ARGS``: OpenRLHF flags a CPU run needs, appended to what ``stare train`` builds."""
+    extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+    if not extra:
+        return
+    original = module.launch
+
+    def launch(argv, *args, **kwargs):
+        return original([*argv, *extra], *args, **kwargs)
+
+    module.launch = launch
+    _record("extra-args")
+
+
+PATCHES = {
+    "torch": patch_torch_cuda,
+    "vllm.v1.attention.backends.cpu_attn": patch_vllm_cpu_attn,
+    "openrlhf.trainer.ppo_utils.replay_buffer": patch_replay_buffer,
+    "openrlhf.utils.deepspeed.deepspeed": patch_device_mesh,
+    "openrlhf.utils.distributed_util": patch_sync_group,
+    "openrlhf.trainer.ray.vllm_worker_wrap": patch_worker_update_weight,
+    "stare.cli.openrlhf_backend.plugin": patch_trainer_crash,
+    "stare.cli.openrlhf_backend.launch": patch_extra_args,
+}
+# the seven patches of the CPU run (the test hooks are not counted)
+CPU_PATCHES = ("torch-cuda", "vllm-amx", "replay-buffer", "device-mesh", "sync-group", "worker-update-weight",
+               "flash-attn")
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+    def __getattr__(self, name):  # get_resource_reader, get_filename, is_package, ...
+        return getattr(self.loader, name)
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Finds each patched module with the other finders, then wraps its loader so the patch runs right after the
+    module's own code."""
+
+    def find_spec(self, name, path, target=None):
+        patch = PATCHES.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            raise PatchDoesNotApply(f"{name}: its loader {spec.loader!r} cannot be wrapped")
+        spec.loader = _PatchingLoader(spec.loader, patch)
+        return spec
+
+
+def install() -> None:
+    """Install the hook (once per process); modules already imported are patched at once."""
+    if any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        return
+    install_flash_attn_standins()
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _PostImportHook())
