@@ -25,12 +25,15 @@ def write_problems(path: Path, rows=PROBLEMS) -> Path:
     return path
 
 
-def build_tiny_model(folder: Path, *, train: bool = False, seed: int = 0, steps: int = 300) -> Path:
+def build_tiny_model(folder: Path, *, train: bool = False, seed: int = 0, steps: int = 300,
+                     hidden_size: int | None = None) -> Path:
     """Save a random 1-layer Llama (and its tokenizer) in ``folder``.
 
     ``train=True``: first fit it (a few seconds on a CPU) so that after each of ``PROBLEMS``' prompts, asked the way
     ``stare eval`` asks (problem, newline, instruction; no chat template), it samples one of ``COMPLETIONS`` and
     stops (EOS). Every answer then stays possible for every problem, so avg@k is neither 0 nor 1.
+    ``hidden_size`` (two heads; default 32, or 64 when trained): 128 gives head size 64, which vLLM's CPU attention
+    supports.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -47,9 +50,9 @@ def build_tiny_model(folder: Path, *, train: bool = False, seed: int = 0, steps:
                                      unk_token="<unk>")
     hf_tok.save_pretrained(folder)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(hf_tok), hidden_size=32 if not train else 64,
-                         intermediate_size=64 if not train else 128, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hidden = hidden_size or (64 if train else 32)
+    config = LlamaConfig(vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     if train:
         _fit(model, hf_tok, steps)

