@@ -188,6 +188,7 @@ def patch_worker_update_weight(module) -> None:
             return
         self._stare_pending_weights = []
         if os.environ.get(SKIP_LOAD_ENV) == "1":
+            _record("skip-weight-load")
             return
         self.reload_weights(weights_iterator=iter(pending))
 
