@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from stare.eval import scoring
 from stare.eval.scoring import extract_boxed, is_correct, score_many, shutdown
 
 # A power tower: sympy tries to evaluate 9**(9**(9**9)) and never returns in any useful time.
@@ -132,14 +133,21 @@ def test_timeout_from_a_thread():
 
 def test_pool_killed_under_a_batch_reruns_its_answers(caplog):
     caplog.set_level("DEBUG", logger="stare.eval.scoring")
-    pairs = [(rf"\boxed{{{i}/7}}", rf"\frac{{{i}}}{{7}}") for i in range(1500)]  # distinct: no parse cache hits
+    # distinct: no parse cache hits
+    pairs = [(rf"\boxed{{{i}/7}}", rf"\frac{{{i}}}{{7}}") for i in range(3000)]
     out = []
     worker = threading.Thread(target=lambda: out.append(score_many(pairs, workers=2)))
     worker.start()
     for _ in range(2):  # kill the pool under the batch twice (what another answer's timeout does)
-        time.sleep(0.5)
+        # once a worker holds an answer: a fixed sleep could land before the workers had started (a slow start),
+        # or after the batch had ended, and then nothing was re-run
+        deadline = time.monotonic() + 120
+        while worker.is_alive() and not any(w.answer is not None for w in list(scoring._all)):
+            assert time.monotonic() < deadline, "no scoring worker took an answer within 120 s"
+            time.sleep(0.01)
         shutdown()
-    worker.join(timeout=60)
+    worker.join(timeout=300)  # generous: a loaded CI machine once took over 60 s
+    assert not worker.is_alive(), "score_many did not finish within 300 s"
     assert out == [[True] * len(pairs)]
     assert any("re-running answer" in r.getMessage() for r in caplog.records)
 
