@@ -6,7 +6,8 @@ A preset file holds:
     description: <one line>
     backend: local | openrlhf
     settings: {key: value, ...}          # the run's settings; each can be overridden with --set key=value
-                                         # (openrlhf presets: the typed schema in openrlhf_backend/argv.py)
+                                         # (typed schemas: local presets local_schema.py, openrlhf presets
+                                         # openrlhf_backend/argv.py; both checked on load and after --set)
     algorithms: {algo: {setting: value}} # per-algorithm overrides on top of the registry
 
 ``--set`` accepts a preset setting or an algorithm setting (``stare algos --settings`` lists those). Values
@@ -23,10 +24,9 @@ import yaml
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
 
-from .local.device import DEVICES
+from .local_schema import LocalSettingsError, check_local_settings, parse_value as local_value
 
 BACKENDS = ("local", "openrlhf")
-LOCAL_CHOICES = {"device": DEVICES}  # local settings with a fixed set of values
 REQUIRED = {"name": str, "description": str, "backend": str, "settings": dict}
 
 
@@ -109,8 +109,11 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
         except (ValueError, TypeError) as exc:
             raise PresetError(f"preset {source}: algorithms.{algo}: {exc}") from None
     settings = dict(data["settings"])
-    if data["backend"] == "local":
-        _check_choices(settings, f"preset {source}: ")
+    if data["backend"] == "local":  # every setting typed and range-checked, defaults filled in
+        try:
+            settings = check_local_settings(settings, f"preset {source}: ")
+        except LocalSettingsError as exc:
+            raise PresetError(str(exc)) from None
     if data["backend"] == "openrlhf":  # GPU presets: every setting typed and checked, defaults filled in
         from .openrlhf_backend.argv import SettingsError, check_settings
 
@@ -119,13 +122,6 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
         except SettingsError as exc:
             raise PresetError(str(exc)) from None
     return Preset(data["name"], data["description"], data["backend"], settings, dict(algos))
-
-
-def _check_choices(settings: dict, where: str) -> None:
-    for key, choices in LOCAL_CHOICES.items():
-        if key in settings and settings[key] not in choices:
-            raise PresetError(f"{where}setting {key}: unknown value {settings[key]!r}; valid choices: "
-                              f"{', '.join(choices)}")
 
 
 def _algo_field_types() -> dict[str, str]:
@@ -185,9 +181,14 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
     algo_over = dict(preset.algorithms.get(algo, {}))
     base = ALGORITHMS[algo]
     annotations = _algo_field_types()
+    given: dict[str, str] = {}  # the run settings set here, with the text given (for the messages)
     for key, raw in parse_sets(sets or []):
         if key in settings:
-            settings[key] = _coerce(key, raw, settings[key], None)
+            given[key] = raw
+            if preset.backend == "local":  # checked below, with the schema's words for what is valid
+                settings[key] = local_value(key, raw)
+            else:
+                settings[key] = _coerce(key, raw, settings[key], None)
         elif key in SETTING_NAMES:
             current = algo_over.get(key, getattr(base, key))
             algo_over[key] = _coerce(key, raw, current, annotations[key])
@@ -196,8 +197,8 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
             raise PresetError(f"unknown --set key {key!r}; valid keys: {', '.join(valid)}")
     try:
         algo_cfg = get_algorithm(algo, **algo_over)
-        if preset.backend == "local":
-            _check_choices(settings, "--set ")
+        if preset.backend == "local":  # the schema's types, ranges and choices, after --set
+            settings = check_local_settings(settings, "", given=given)
             # as the GPU presets (argv.check_algorithm, OpenRLHF's assert): the penalised zone must fit in the limit
             limit = settings.get("max_new_tokens")
             if algo_cfg.overlong_shaping and isinstance(limit, int) and algo_cfg.overlong_buffer_len > limit:

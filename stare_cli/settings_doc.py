@@ -13,6 +13,8 @@ from rich.table import Table
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES
 
+from .local_schema import LOCAL_SETTINGS
+
 # One line per algorithm setting (AlgoConfig's fields).
 ALGO_SETTING_HELP = {
     "std_norm": "divide group advantages by the group's reward std (false: Dr.GRPO's unnormalised advantages)",
@@ -60,39 +62,9 @@ ALGO_SETTING_HELP = {
     "kl_cov_coef": "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is unclipped)",
 }
 
-# One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu).
-LOCAL_RUN_SETTING_HELP = {
-    "task": "the task: reverse (strings), explore (reversal with a rare trigger rule), arith (sums, in a chat turn)",
-    "model": "tiny (a Llama built from a config) or smollm2-135m (the packaged SmolLM2-135M-Instruct)",
-    "seed": "seed of the first arm; stare run adds 1 per extra seed",
-    "algos": "stare run: the arms trained (comma-separated algorithms)",
-    "seeds": "stare run: seeds per arm",
-    "steps": "RL steps per arm",
-    "prompts_per_step": "prompts sampled per RL step",
-    "samples_per_prompt": "responses per prompt (the group size G)",
-    "mini_batches": "optimizer steps per RL step",
-    "micro_batch_size": "sequences per forward/backward (gradients accumulated with global counts)",
-    "lr": "AdamW learning rate",
-    "grad_clip": "gradient norm clip",
-    "temperature": "sampling temperature of the rollouts",
-    "max_new_tokens": "the response limit in tokens (cut responses score 0)",
-    "train_problems": "size of the training problem set",
-    "eval_problems": "held-out problems evaluated after training",
-    "eval_k": "samples per held-out problem (avg@k, pass@k)",
-    "save_every": "a checkpoint every N steps (what --resume continues from)",
-    "threads": "torch threads per arm",
-    "logits_to_keep": "training pass: LM head on the response positions only (true) or on every position (false; "
-                      "same logits, weight gradient equal up to rounding: the tiny presets keep false, their "
-                      "README numbers)",
-    "same_batch_entropy": "one more no-grad forward per step to log stare/entropy_change_same_batch (false: absent)",
-    "device": "where the local engine trains: cpu (default: the README's numbers), cuda (one GPU) or auto",
-    "hidden": "tiny model: hidden size",
-    "layers": "tiny model: transformer layers",
-    "warmstart_steps": "tiny model: supervised warm-start steps before RL",
-    "warmstart_batch": "tiny model: warm-start batch size",
-    "warmstart_lr": "tiny model: warm-start learning rate",
-    "warmstart_noise": "tiny model: chance that a warm-start demonstration has one wrong character",
-}
+# One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu): the schema's own words
+# (stare.cli.local_schema.LOCAL_SETTINGS, the one table of those settings: types, defaults, valid values, meaning).
+LOCAL_RUN_SETTING_HELP = {s.name: s.help for s in LOCAL_SETTINGS}
 
 GPU_RUN_SETTING_HELP = {
     "model": "hub id or folder of the policy to train",
@@ -170,20 +142,20 @@ def algo_settings_table() -> Table:
 
 
 def local_run_settings_table() -> Table:
+    """The local presets' settings, from the schema (``local_schema.LOCAL_SETTINGS``): the default per preset and
+    the valid values."""
     from .presets import load_preset, preset_names
 
     names = sorted(preset_names(), key=lambda n: (n != "tiny-cpu", n))  # the embedded default first
     presets = [p for p in (load_preset(n) for n in names) if p.backend == "local"]
-    keys: list[str] = []
-    for p in presets:
-        keys += [k for k in p.settings if k not in keys]
     table = Table(title="run settings of the local presets (--set key=value; default per preset)")
     table.add_column("setting", style="bold cyan", no_wrap=True)
     table.add_column("default")
-    table.add_column("meaning")
-    for key in keys:
-        values = {p.name: p.settings[key] for p in presets if key in p.settings}
-        table.add_row(key, escape(_per_owner(values)), escape(LOCAL_RUN_SETTING_HELP.get(key, "")))
+    table.add_column("meaning; valid values")
+    for s in LOCAL_SETTINGS:
+        values = {p.name: p.settings[s.name] for p in presets if s.name in p.settings}
+        table.add_row(s.name, escape(_per_owner(values) if values else _fmt(s.default)),
+                      escape(f"{s.help}; valid: {s.valid()}"))
     return table
 
 
@@ -201,9 +173,29 @@ def gpu_run_settings_table() -> Table:
     return table
 
 
+def local_settings_markdown() -> str:
+    """docs/local-settings.md: the local presets' settings table, rendered from the schema (a test keeps the file
+    equal to this; regenerate with ``python -m stare.cli.settings_doc > docs/local-settings.md``)."""
+    from .local_schema import markdown_table
+
+    return ("# Settings of the local presets\n\n"
+            "Generated from `stare_cli/local_schema.py` (`LOCAL_SETTINGS`, the one table `stare algos --settings` "
+            "prints too) by `python -m stare.cli.settings_doc > docs/local-settings.md`. Every local preset "
+            "(`tiny-cpu`, `tiny-explore`, `smollm-cpu`) is checked against it when it is loaded and again after "
+            "`--set`; a value outside it is one line naming the setting, the value and what is valid, and nothing "
+            "is written. Defaults are `tiny-cpu`'s; `stare algos --settings` shows each preset's own.\n\n"
+            + markdown_table())
+
+
 def print_settings(console: Console) -> None:
     """Every key ``--set`` accepts, with its defaults and meaning."""
     console.print(algo_settings_table())
     console.print(local_run_settings_table())
     console.print(gpu_run_settings_table())
     console.print("A preset's own values: `stare train --preset NAME --dry-run` prints them all, resolved.")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(local_settings_markdown())

@@ -289,7 +289,9 @@ def test_algos_settings_lists_every_key_with_defaults_and_meaning():
     assert rows["w"][1] == "1.1 (stare-phi: 2)" and rows["std_norm"][1] == "true (dr-grpo: false)"
     steps = {p.name: p.settings["steps"] for p in local}
     assert steps["tiny-cpu"] == 200 and steps["smollm-cpu"] == 30
-    assert rows["steps"][1] == "200 (smollm-cpu: 30)" and rows["steps"][2] == "RL steps per arm"
+    assert rows["steps"][1] == "200 (smollm-cpu: 30)" and rows["steps"][2].startswith("RL steps per arm; valid:")
+    steps_row = res.stdout[res.stdout.index("│ steps "):].split("│ prompts_per_step")[0]  # its wrapped lines
+    assert "integer >= 1" in steps_row, steps_row
     assert rows["model"][1].startswith("tiny (smollm-cpu:")  # wrapped: smollm2-135m on the next line
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
+from ..local_schema import DEVICES  # the names live with the settings' schema (which imports no torch)
 DEFAULT = "cpu"  # run folders written before the setting existed ran on CPU
 
 

@@ -1,0 +1,206 @@
+"""The typed schema of the local presets' ``settings:`` (tiny-cpu, tiny-explore, smollm-cpu): one table.
+
+``LOCAL_SETTINGS`` below is the one list of every setting a local preset may hold: name, type, default, the valid
+range or choices, and a one-line meaning. ``check_local_settings`` checks a preset's settings against it when the
+preset is loaded, and again after ``--set`` (so ``stare train --dry-run`` refuses what training would refuse);
+``stare algos --settings`` and docs/local-settings.md render from it (``settings_doc``). A new setting is one
+more row here (and a value in the presets that want another than the default).
+
+No torch import here: ``stare presets`` and ``stare algos`` read this module, and they must stay fast.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+DEVICES = ("auto", "cpu", "cuda")  # local/device.py resolves them; the names live here (no torch import)
+TASKS = ("reverse", "explore", "arith")  # local/tasks.py TASKS (a test keeps the two equal)
+MODELS = ("tiny", "smollm2-135m")  # local/models.py initial_policy
+TINY_HEADS = 4  # local/policy.py build_tiny_model: attention heads of the tiny model (hidden must divide by it)
+MAX_SEED = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One local setting. ``low``/``high`` bound numbers (``low_open``: the bound itself is not valid);
+    ``choices`` lists the valid values; ``check`` is a custom rule (returns why a value is bad, or None)."""
+    name: str
+    type: type
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    choices: tuple | None = None
+    check: Callable[[Any], str | None] | None = None
+    valid_text: str | None = None  # how the valid values read when neither a range nor choices says it
+
+    def valid(self) -> str:
+        """The valid values, in words: 'integer >= 1', 'number in (0, 2]', 'one of: cpu, cuda'."""
+        if self.choices is not None:
+            return "one of: " + ", ".join(map(str, self.choices))
+        if self.valid_text:
+            return self.valid_text
+        kind = {int: "integer", float: "number", bool: "true or false", str: "text"}[self.type]
+        if self.low is not None and self.high is not None:
+            return f"{kind} in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
+        if self.low is not None:
+            return f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
+        return kind
+
+    def problem(self, value) -> str | None:
+        """Why ``value`` is not valid for this setting (type, range, choices), or None."""
+        if self.type is bool:
+            ok = isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.type)
+        if not ok:
+            got = "nothing" if value is None else f"{type(value).__name__} {value!r}"
+            return f"expected {self.valid()}, got {got}"
+        if self.type is float and not math.isfinite(value):
+            return f"expected a finite {self.valid()}, got {value!r}"
+        if self.choices is not None and value not in self.choices:
+            return f"unknown value {value!r}; valid choices: {', '.join(map(str, self.choices))}"
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low) or \
+                self.high is not None and value > self.high:
+            return f"expected {self.valid()}, got {value!r}"
+        if self.check is not None:
+            return self.check(value)
+        return None
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _check_algos(value: str) -> str | None:
+    from stare.algorithms import ALGORITHMS
+
+    arms = [a.strip() for a in value.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ALGORITHMS]
+    if unknown or not arms:
+        return (f"unknown algorithm {unknown[0] if unknown else value!r}; valid algorithms (comma-separated): "
+                f"{', '.join(ALGORITHMS)}")
+    if len(set(arms)) != len(arms):
+        return f"lists an algorithm twice: {value!r}"
+    return None
+
+
+# THE table: every setting a local preset may hold. Defaults are tiny-cpu's values; a preset sets what differs.
+LOCAL_SETTINGS: list[Setting] = [
+    Setting("task", str, "reverse", "the task: reverse (strings), explore (reversal with a rare trigger rule), arith "
+            "(sums, in a chat turn)", choices=TASKS),
+    Setting("model", str, "tiny", "tiny (a Llama built from a config) or smollm2-135m (the packaged "
+            "SmolLM2-135M-Instruct)", choices=MODELS),
+    Setting("seed", int, 0, "seed of the first arm; stare run adds 1 per extra seed", low=0, high=MAX_SEED),
+    Setting("algos", str, "grpo,dapo,stare,stare-phi", "stare run: the arms trained (comma-separated algorithms)",
+            check=_check_algos, valid_text="comma-separated algorithms (stare algos)"),
+    Setting("seeds", int, 1, "stare run: seeds per arm", low=1),
+    Setting("steps", int, 200, "RL steps per arm", low=1),
+    Setting("prompts_per_step", int, 16, "prompts sampled per RL step", low=1),
+    Setting("samples_per_prompt", int, 8, "responses per prompt (the group size G)", low=2),
+    Setting("mini_batches", int, 2, "optimizer steps per RL step", low=1),
+    Setting("micro_batch_size", int, 64, "sequences per forward/backward (gradients accumulated with global counts)",
+            low=1),
+    Setting("lr", float, 0.001, "AdamW learning rate", low=0.0, low_open=True),
+    Setting("grad_clip", float, 1.0, "gradient norm clip", low=0.0, low_open=True),
+    Setting("temperature", float, 1.0, "sampling temperature of the rollouts", low=0.0, high=2.0, low_open=True),
+    Setting("max_new_tokens", int, 9, "the response limit in tokens (cut responses score 0)", low=1),
+    Setting("train_problems", int, 4000, "size of the training problem set", low=1),
+    Setting("eval_problems", int, 200, "held-out problems evaluated after training", low=1),
+    Setting("eval_k", int, 8, "samples per held-out problem (avg@k, pass@k)", low=1),
+    Setting("save_every", int, 25, "a checkpoint every N steps (what --resume continues from)", low=1),
+    Setting("threads", int, 1, "torch threads per arm", low=1),
+    Setting("device", str, "cpu", "where the local engine trains: cpu (default: the README's numbers), cuda (one GPU) "
+            "or auto", choices=DEVICES),
+    Setting("logits_to_keep", bool, False, "training pass: LM head on the response positions only (true) or on every "
+            "position (false; same logits, weight gradient equal up to rounding: the tiny presets keep false, their "
+            "README numbers)"),
+    Setting("same_batch_entropy", bool, True, "one more no-grad forward per step to log "
+            "stare/entropy_change_same_batch (false: absent)"),
+    Setting("hidden", int, 64, f"tiny model: hidden size (a multiple of its {TINY_HEADS} attention heads)",
+            low=TINY_HEADS, check=lambda v: None if v % TINY_HEADS == 0 else
+            f"expected a multiple of {TINY_HEADS} (the tiny model's attention heads), got {v}",
+            valid_text=f"integer >= {TINY_HEADS}, a multiple of {TINY_HEADS}"),
+    Setting("layers", int, 2, "tiny model: transformer layers", low=1),
+    Setting("warmstart_steps", int, 600, "tiny model: supervised warm-start steps before RL", low=0),
+    Setting("warmstart_batch", int, 64, "tiny model: warm-start batch size", low=1),
+    Setting("warmstart_lr", float, 0.003, "tiny model: warm-start learning rate", low=0.0, low_open=True),
+    Setting("warmstart_noise", float, 0.8, "tiny model: chance that a warm-start demonstration has one wrong "
+            "character", low=0.0, high=1.0),
+]
+SCHEMA: dict[str, Setting] = {s.name: s for s in LOCAL_SETTINGS}
+
+
+class LocalSettingsError(ValueError):
+    """A local preset's settings (or a --set of them) do not fit the schema (the CLI exits with code 2)."""
+
+
+def check_local_settings(settings: dict, where: str, *, given: dict[str, str] | None = None) -> dict:
+    """Check a local preset's settings against ``LOCAL_SETTINGS`` and fill the defaults; returns a new dict.
+
+    ``where`` starts each message ("preset tiny-cpu.yaml: "); a key in ``given`` (the keys the user set with --set,
+    with the text given) is reported as ``--set key=TEXT``."""
+    unknown = [k for k in settings if k not in SCHEMA]
+    if unknown:
+        raise LocalSettingsError(f"{where}unknown setting {unknown[0]!r}; valid settings: {', '.join(SCHEMA)}")
+    out = {}
+    for s in LOCAL_SETTINGS:
+        value = settings.get(s.name, s.default)
+        why = s.problem(value)
+        if why:
+            raise LocalSettingsError(f"{where}{_name(s.name, value, given)}: {why}")
+        out[s.name] = float(value) if s.type is float else value
+    # rules between settings
+    if out["prompts_per_step"] > out["train_problems"]:
+        key = "prompts_per_step" if given and "prompts_per_step" in given else "train_problems"
+        raise LocalSettingsError(f"{where}{_name(key, out[key], given)}: prompts_per_step ({out['prompts_per_step']}) "
+                                 f"must be <= train_problems ({out['train_problems']}): a step samples its prompts "
+                                 "from the training set without repeats")
+    return out
+
+
+def parse_value(key: str, raw: str):
+    """The value of ``--set key=raw`` for a local setting: a YAML scalar (text for a text setting; "1e-6" is a
+    number for a number setting). Not checked here: ``check_local_settings`` says what is wrong with it."""
+    import yaml
+
+    setting = SCHEMA[key]
+    if setting.type is str:
+        return raw
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return raw
+    if setting.type is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _name(key: str, value, given: dict[str, str] | None) -> str:
+    if given is not None and key in given:
+        return f"--set {key}={given[key]}"
+    return f"setting {key}"
+
+
+def _yaml_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def markdown_table() -> str:
+    """docs/local-settings.md's table: every local setting, its type, default, valid values and meaning."""
+    rows = ["| setting | type | default | valid | meaning |", "|---|---|---|---|---|"]
+    for s in LOCAL_SETTINGS:
+        default = _yaml_text(s.default)
+        rows.append(f"| `{s.name}` | {s.type.__name__} | `{default}` | {s.valid()} | {s.help} |")
+    return "\n".join(rows) + "\n"
