@@ -4,17 +4,41 @@ No import of OpenRLHF, Ray or vLLM: the local engine, the OpenRLHF plugin and us
 the same code; ``stare_step`` (``step.py``) is the once-per-step block both engines run, and ``METRICS`` there
 lists the telemetry names with their meanings. See docs/algorithm.md for the mathematics.
 """
-from ._checks import check_finite
-from .baselines import clip_cov_seed, clip_cov_weights, entropy_top_weights, floor_count, kl_cov_coefs, token_covariance
-from .advantages import group_advantages, informative_groups, overlong_penalty
+# The registry and the controllers need no torch and load now; everything else loads from its module on first use
+# (a module __getattr__), so `stare algos`, `stare presets` and `stare --help` never import torch. Every name below
+# is still importable from stare.algorithms exactly as before.
 from .controllers import BandGate, ControllerState, PaperGate
-from .entropy import (EntropyStats, entropy_forecast_sums, entropy_sensitivity, masked_mean, predicted_entropy_change,
-                      quadrant_stats, quadrant_sums)
-from .loss import AGGREGATIONS, policy_loss
 from .registry import ALGORITHMS, SETTING_NAMES, TOKEN_RULES, AlgoConfig, get_algorithm
-from .selection import kth_largest, reweight_stats, reweight_sums, stare_token_weights, top_count
-from .step import (LEGACY_NAMES, METRIC_NAMES, METRICS, StepMemory, StepResult, batch_mean, metrics_markdown, stare_step,
-                   upgrade_metric_names)
+
+_LAZY = {
+    "_checks": ("check_finite",),
+    "baselines": ("clip_cov_seed", "clip_cov_weights", "entropy_top_weights", "floor_count", "kl_cov_coefs",
+                  "token_covariance"),
+    "advantages": ("group_advantages", "informative_groups", "overlong_penalty"),
+    "entropy": ("EntropyStats", "entropy_forecast_sums", "entropy_sensitivity", "masked_mean",
+                "predicted_entropy_change", "quadrant_stats", "quadrant_sums"),
+    "loss": ("AGGREGATIONS", "policy_loss"),
+    "selection": ("kth_largest", "reweight_stats", "reweight_sums", "stare_token_weights", "top_count"),
+    "step": ("LEGACY_NAMES", "METRIC_NAMES", "METRICS", "StepMemory", "StepResult", "batch_mean", "metrics_markdown",
+             "stare_step", "upgrade_metric_names"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later look-ups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "LEGACY_NAMES", "METRICS", "METRIC_NAMES", "SETTING_NAMES", "TOKEN_RULES",

@@ -11,24 +11,7 @@ import math
 
 import torch
 
-
-def check_range(name: str, value, low=None, high=None, *, low_open=False, high_open=False) -> None:
-    """Raise unless ``low <(=) value <(=) high``; the message names the parameter and the range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    bad_low = low is not None and (value <= low if low_open else value < low)
-    bad_high = high is not None and (value >= high if high_open else value > high)
-    if bad_low or bad_high:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ValueError(f"{name} must be in {left}{lo}, {hi}{right}, got {value!r}")
-
-
-def check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(map(str, choices))}")
+from ._plain import check_choice, check_range  # noqa: F401 - torch-free, re-exported here
 
 
 def check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ._checks import check_range
+from ._plain import check_range
 
 
 @dataclass(frozen=True)

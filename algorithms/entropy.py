@@ -40,7 +40,7 @@ from ._checks import broadcast_advantages, check_choice, check_range, check_same
 # 256-row ones); about 4M (16 MB) on other devices, where fewer, larger launches count more.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 DEFAULT_CHUNK_ELEMENTS_CPU = 1 << 20
-KERNELS = ("auto", "torch", "triton", "compiled", "cpp")
+from ._plain import KERNELS  # noqa: E402 - ("auto", "torch", "triton", "compiled", "cpp"), torch-free for the registry
 
 
 class EntropyStats(NamedTuple):

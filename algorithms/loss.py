@@ -32,7 +32,7 @@ from ._checks import (
     should_validate,
 )
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from ._plain import AGGREGATIONS  # noqa: E402 - token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
 LOG_RATIO_CLAMP = 20.0
 
 

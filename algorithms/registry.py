@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from ._checks import check_choice, check_range
+# no torch import on this path (stare algos / presets stay fast): the choices' names live in _plain
+from ._plain import AGGREGATIONS, KERNELS, SELECTIONS, VARIANTS, check_choice, check_range
 from .controllers import BandGate, PaperGate
-from .entropy import KERNELS
-from .loss import AGGREGATIONS
-from .selection import SELECTIONS, VARIANTS
 
 # The token rules of the entropy baselines (algorithms/baselines.py), computed once per step over the whole batch:
 # none, clip-cov (drop the gradient of a few high-covariance tokens), kl-cov (|log-ratio| penalty on the top

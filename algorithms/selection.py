@@ -28,8 +28,7 @@ import torch
 
 from ._checks import broadcast_advantages, check_choice, check_finite, check_range, check_same_shape
 
-VARIANTS = ("O1", "C2")
-SELECTIONS = ("quantile", "phi")
+from ._plain import SELECTIONS, VARIANTS  # noqa: E402 - ("quantile", "phi"), ("O1", "C2"); torch-free for the registry
 
 
 def top_count(ratio: float, n: int) -> int:

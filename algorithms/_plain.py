@@ -1,0 +1,33 @@
+"""The parts of stare.algorithms that need no torch: the scalar argument checks and the names of the choices.
+
+``stare algos``, ``stare presets`` and the preset checks read the registry (``registry.py``), which needs only
+these; keeping them free of torch keeps those commands fast (importing torch takes seconds). ``_checks``,
+``entropy``, ``loss`` and ``selection`` re-export them under their old names.
+"""
+from __future__ import annotations
+
+import math
+
+KERNELS = ("auto", "torch", "triton", "compiled", "cpp")  # entropy.py: the entropy_sensitivity kernels
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # loss.py
+VARIANTS = ("O1", "C2")  # selection.py
+SELECTIONS = ("quantile", "phi")  # selection.py
+
+
+def check_range(name: str, value, low=None, high=None, *, low_open=False, high_open=False) -> None:
+    """Raise unless ``low <(=) value <(=) high``; the message names the parameter and the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    bad_low = low is not None and (value <= low if low_open else value < low)
+    bad_high = high is not None and (value >= high if high_open else value > high)
+    if bad_low or bad_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}{right}, got {value!r}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(map(str, choices))}")
