@@ -127,6 +127,9 @@ def _to_problems(rows, where: str, *, problem_field: str = "problem", answer_fie
 
 
 def _read_local(path: Path) -> list[Problem]:
+    if path.is_dir():
+        raise ValueError(f"--data-file {path} is a folder; expected a .jsonl or .parquet file with problem and answer "
+                         "fields (or 'hub')")
     if not path.is_file():
         raise ValueError(f"data file not found: {path}")
     suffix = path.suffix.lower()

@@ -318,16 +318,123 @@ def versions() -> dict:
 _versions = versions  # the older private name
 
 
-def read_done(samples_path: Path, k: int) -> dict[str, list[dict]]:
-    """Problems whose k samples are all in ``samples.jsonl``; rewrites the file without partial problems."""
+class EvalRefused(ValueError):
+    """An evaluation that cannot start or continue as asked (the CLI prints one line and exits with code 2):
+    ``--resume`` with other settings than the folder's, a corrupt samples file, a model whose context fits no
+    problem. Raised before anything is written."""
+
+
+RECORD = "eval_settings.json"  # the settings an output folder's samples were drawn with, written before the first
+# sample; --resume must ask for the same (summary.json holds them too, for folders from before this file)
+RECORD_KEYS = ("protocol", "k", "temperature", "top_p", "max_tokens", "seed", "model", "bench", "data", "tools")
+
+
+def eval_record(proto: Protocol, *, seed: int, model: str, bench: str, data: str | None = None,
+                tools: str | None = None) -> dict:
+    """What the samples of an output folder depend on (``RECORD_KEYS``); a local model folder as its full path."""
+    model_id = str(Path(model).resolve()) if Path(model).exists() else model
+    return {"protocol": proto.name, "k": proto.k, "temperature": proto.temperature, "top_p": proto.top_p,
+            "max_tokens": proto.max_tokens, "seed": seed, "model": model_id, "bench": bench, "data": data,
+            "tools": tools}
+
+
+_FLAGS = {"protocol": "--protocol", "k": "--k", "temperature": "--temperature", "top_p": "--top-p",
+          "max_tokens": "--max-tokens", "seed": "--seed", "model": "--model", "bench": "--bench",
+          "data": "--data-file", "tools": "--tools"}
+
+
+def _old_record(out: Path) -> dict | None:
+    """The folder's record: eval_settings.json, else what its summary.json says (older folders), else None."""
+    path = out / RECORD
+    if path.is_file():
+        try:
+            rec = json.loads(path.read_text())
+        except ValueError as exc:
+            raise EvalRefused(f"{path} is corrupt ({exc}); use another --out (nothing was changed)") from None
+        return rec if isinstance(rec, dict) else {}
+    summary = out / "summary.json"
+    if summary.is_file():
+        try:
+            s = json.loads(summary.read_text())
+            proto = s.get("protocol") or {}
+            return {"protocol": proto.get("name"), "k": s.get("k"), "temperature": proto.get("temperature"),
+                    "top_p": proto.get("top_p"), "max_tokens": proto.get("max_tokens"), "seed": s.get("seed"),
+                    "bench": s.get("bench")}
+        except (ValueError, AttributeError):
+            return None
+    return None
+
+
+def read_samples(samples_path: Path) -> tuple[list[dict], bool]:
+    """The records of ``samples.jsonl`` and whether its last line was cut by a kill (then dropped). A corrupt
+    line before the last is ``EvalRefused`` naming the file and line."""
+    lines = samples_path.read_text(errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records, cut = [], False
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "problem_id" not in rec or "sample_idx" not in rec:
+                raise ValueError("not a sample record")
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                cut = True
+                break
+            raise EvalRefused(f"{samples_path} line {i + 1} is corrupt ({str(exc).splitlines()[0]}), not the last "
+                              "line cut by a kill; it cannot be resumed: use another --out (nothing was changed)") \
+                from None
+        records.append(rec)
+    return records, cut
+
+
+def check_resume(out: Path, record: dict) -> None:
+    """``--resume`` in ``out`` continues the same evaluation: every setting in the folder's record equals the
+    request's (one line naming the first that differs), and ``samples.jsonl`` has no corrupt line but a cut last
+    one. Raises ``EvalRefused``; reads only."""
+    old = _old_record(out)
+    samples = out / "samples.jsonl"
+    records = read_samples(samples)[0] if samples.is_file() else []
+    if old is None and records:  # no record at all: the samples still say k
+        old = {"k": max(int(r["sample_idx"]) for r in records) + 1}
+    for key in RECORD_KEYS:
+        if old is None or key not in old or old[key] is None and key not in ("data", "tools"):
+            continue
+        if old[key] != record[key]:
+            raise EvalRefused(f"{_FLAGS[key]} {_show(record[key])}: {out} holds samples drawn with {key} "
+                              f"{_show(old[key])}; resume with the same settings or use another --out "
+                              "(nothing was changed)")
+
+
+def _show(value) -> str:
+    return "(none)" if value is None else str(value)
+
+
+def check_fits(problems: list[Problem], backend, proto: Protocol, model: str = "the model") -> None:
+    """``EvalRefused`` when the model's context fits none of ``problems`` (each prompt leaves no room for one
+    token): every problem would be "not attempted". Backends without ``context_length`` are not checked."""
+    context = getattr(backend, "context_length", None)
+    count = getattr(backend, "prompt_tokens", None)
+    if not context or count is None or not problems:
+        return
+    shortest = min(count(backend.prompt_text(p.problem, proto.instruction)) for p in problems)
+    if shortest >= context:
+        raise EvalRefused(f"--model {model}: its context of {context} "
+                          f"tokens fits no problem (the shortest prompt has {shortest} tokens); use a model with a "
+                          "longer context (nothing was written)")
+
+
+def read_done(samples_path: Path, k: int, warn=None) -> dict[str, list[dict]]:
+    """Problems whose k samples are all in ``samples.jsonl``; rewrites the file without partial problems. A last
+    line cut by a kill is dropped (one warning, ``warn``); a corrupt line elsewhere is ``EvalRefused``."""
     if not samples_path.exists():
         return {}
     rows: dict[str, list[dict]] = {}
-    for line in samples_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
+    records, cut = read_samples(samples_path)
+    if cut:
+        (warn or _stderr_warning)(f"{samples_path}: the last line was cut (a kill during its write); dropped, its "
+                                  "problem is sampled again")
+    for rec in records:
         rows.setdefault(str(rec["problem_id"]), []).append(rec)
     done = {pid: sorted(r, key=lambda x: x["sample_idx"]) for pid, r in rows.items()
             if sorted(x["sample_idx"] for x in r) == list(range(k))}
@@ -363,13 +470,23 @@ def not_attempted_records(problem: Problem, k: int, err: PromptTooLong) -> list[
 
 
 def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, bench: str, model: str, seed: int,
-             resume: bool, progress=None, score_timeout: float = 5.0, warn=None) -> dict:
+             resume: bool, progress=None, score_timeout: float = 5.0, warn=None, data: str | None = None,
+             tools: str | None = None) -> dict:
     """Sample, score and stream every problem (see the module docstring); ``warn(message)`` gets the one-line
-    warnings (a protocol longer than the context, a problem not attempted; default: stderr)."""
+    warnings (a protocol longer than the context, a problem not attempted; default: stderr). ``EvalRefused``
+    before anything is written: ``resume`` with other settings than the folder's (``check_resume``), a model whose
+    context fits no problem (``check_fits``)."""
     warn = warn or _stderr_warning
-    out.mkdir(parents=True, exist_ok=True)
+    record = eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools)
     samples_path = out / "samples.jsonl"
-    done = read_done(samples_path, proto.k) if resume else {}
+    if resume:
+        check_resume(out, record)
+    check_fits(problems, backend, proto, model)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out / RECORD)
+    done = read_done(samples_path, proto.k, warn) if resume else {}
     if not resume and samples_path.exists():
         samples_path.unlink()
     results: dict[str, list[dict]] = dict(done)
@@ -403,7 +520,8 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
             results[p.id] = recs
             if progress:
                 progress(proto.k)
-    warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, [])])
+    # of the samples generated: a problem not attempted (its prompt longer than the context) has no response to judge
+    warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, []) if not r.get("not_attempted")])
     return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out,
                      tools=getattr(backend, "tools_info", None))
 

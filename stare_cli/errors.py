@@ -16,6 +16,7 @@ preset, an algorithm or a benchmark:
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -131,20 +132,47 @@ class StareGroup(TyperGroup):
         except _ABORTS:
             err_console.print("Aborted.", highlight=False)
             sys.exit(1)
+        except OSError as exc:  # e.g. --out on a read-only file system, found only at the write
+            if exc.errno not in WRITE_ERRNOS:
+                raise
+            err_console.print(f"[bold red]error:[/] {escape(write_error_line(exc))}", highlight=False,
+                              soft_wrap=True)
+            sys.exit(2)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
 # --- --out -----------------------------------------------------------------------------------------------
 
+def _writable(folder: Path) -> bool:
+    """Whether files can be made in ``folder``: ``access(2)`` says no on a read-only file system (EROFS) even to
+    root, and for a folder without write permission to anyone else."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def out_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be (or become) a folder, or None when it can."""
+    """Why ``path`` cannot be (or become) a folder that can be written, or None when it can."""
     path = Path(path)
     if path.exists():
-        return None if path.is_dir() else "is a file, not a folder"
+        if not path.is_dir():
+            return "is a file, not a folder"
+        return None if _writable(path) else "is not writable (read-only file system or no permission)"
     for parent in path.parents:
         if parent.exists():
-            return None if parent.is_dir() else f"cannot be made: {parent} is a file, not a folder"
+            if not parent.is_dir():
+                return f"cannot be made: {parent} is a file, not a folder"
+            return None if _writable(parent) else (f"cannot be made: {parent} is not writable (read-only file "
+                                                   "system or no permission)")
     return None
+
+
+# errors of the file system that the user fixes by choosing another place (or freeing space), not bugs
+WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
+def write_error_line(exc: OSError) -> str:
+    """One line for a write that the file system refused (``WRITE_ERRNOS``), naming the file."""
+    where = exc.filename if exc.filename is not None else "a file"
+    return f"cannot write {where}: {exc.strerror or exc} (errno {exc.errno}); use another --out or free the space"
 
 
 def check_out_dir(path: Path, flag: str = "--out") -> None:

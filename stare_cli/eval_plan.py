@@ -12,8 +12,29 @@ HARNESSES = ("stare", "lm-eval")
 
 
 def looks_like_hub_id(model: str) -> bool:
-    """A hub id has the form owner/name (one slash); anything else must be a folder that exists."""
-    return model.count("/") == 1
+    """A hub id has the form owner/name (one slash, not a path: no leading /, ./, ../ or ~); anything else must be a
+    folder that exists."""
+    return model.count("/") == 1 and not model.startswith(("/", "./", "../", "~")) and all(model.split("/"))
+
+
+def model_folder_problem(model: str) -> str | None:
+    """Why an existing ``--model`` path cannot be a model (a file, a folder without a readable config.json), or
+    None. A path that does not exist is not judged here."""
+    import json
+
+    path = Path(model)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return "is a file; expected a model folder (with config.json) or a hub id (owner/name)"
+    config = path / "config.json"
+    if not config.is_file():
+        return "is a folder without config.json; expected a model folder (save_pretrained's) or a hub id (owner/name)"
+    try:
+        json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"has a config.json that is not valid JSON ({str(exc).splitlines()[0]}); expected a model folder"
+    return None
 
 
 def eval_target(model: str | None, out: Path | None, bench: str) -> tuple[str, Path]:
@@ -27,8 +48,16 @@ def eval_target(model: str | None, out: Path | None, bench: str) -> tuple[str, P
             raise ValueError("--model is required (or give --out a training run folder that has final/)")
         return str(final), out / f"eval-{bench}"
     if not Path(model).exists() and not looks_like_hub_id(model):
-        raise ValueError(f"model {model!r} is neither a folder nor a hub id (owner/name)")
+        raise ValueError(f"--model {model!r}: no such folder ({Path(model).absolute()}), and not a hub id "
+                         "(owner/name); check the path")
     return model, out_dir
+
+
+def check_model_folder(model: str) -> None:
+    """``ValueError`` (one line) when ``--model`` names a path that is there but is not a model folder."""
+    problem = model_folder_problem(model)
+    if problem:
+        raise ValueError(f"--model {model} {problem}")
 
 
 def check_harness(harness: str, bench: str, *, resume: bool, tools: str | None) -> None:

@@ -97,11 +97,14 @@ def algos(
         print_settings(console)  # every --set key: algorithm and run settings, defaults, meaning
 
 
-def _parse_algos(text: str) -> list[str]:
+def _parse_algos(text: str, flag: str | None = None) -> list[str]:
     algos = [a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in algos if a not in ALGORITHMS]
-    if unknown or not algos:
-        fail(f"unknown algorithm {unknown[0] if unknown else text!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    if not algos:
+        fail(f"{flag or 'algos'} {text!r}: no algorithm named; give one or more, comma-separated, of: "
+             f"{', '.join(ALGORITHMS)}")
+    if unknown:
+        fail(f"unknown algorithm {unknown[0]!r}; valid algorithms: {', '.join(ALGORITHMS)}")
     if len(set(algos)) != len(algos):
         fail(f"--algos lists an algorithm twice: {text!r}")
     return algos
@@ -186,16 +189,29 @@ def train(
             resolved["out"] = str(out)
         sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
         return
-    from .local.runner import quiet
-    from .rundir import RunDirError, prepare_run_dir
+    from .rundir import RunDirError, check_resumable, prepare_run_dir, remove_unstarted_run
 
     _check_device(resolved)
     _check_model_available(resolved)
     out = out or Path("runs") / f"{preset}-{algo}"
+    existed = out.exists()
     try:
-        prepare_run_dir(out, resolved, resume)
+        if resume:
+            check_resumable(out)  # a cut metrics line, a checkpoint that does not load: one line, before any write
+        started = prepare_run_dir(out, resolved, resume)
     except RunDirError as exc:
         fail(str(exc))
+    try:
+        _train_local(resolved, out, preset, algo, resume)
+    except BaseException:
+        if not started:
+            remove_unstarted_run(out, existed)  # failed before its first checkpoint: nothing blocks the retry
+        raise
+
+
+def _train_local(resolved: dict, out: Path, preset: str, algo: str, resume: bool) -> None:
+    from .local.runner import quiet
+
     quiet()
     from rich.progress import Progress
 
@@ -281,7 +297,10 @@ def run(
         overrides = dict(parse_sets(set_ or []))  # the last --set of a key wins, as in resolve
     except PresetError as exc:
         fail(str(exc))
-    arm_names = _parse_algos(algos or overrides.get("algos") or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
+    if algos is not None:  # given, even empty: what was given is what is checked
+        arm_names = _parse_algos(algos, flag="--algos")
+    else:
+        arm_names = _parse_algos(overrides.get("algos") or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
     if seeds is None and "seeds" in overrides:
         try:
             seeds = int(overrides["seeds"])
@@ -356,9 +375,10 @@ def eval_(
     """
     from stare.eval import BENCHES, load_bench
     from stare.eval.data import local_data_file
-    from stare.eval.harness import check_backend, default_backend, make_backend, resolve_protocol, run_eval
+    from stare.eval.harness import (EvalRefused, check_backend, check_resume, default_backend, eval_record,
+                                    make_backend, resolve_protocol, run_eval)
 
-    from .eval_plan import check_harness, eval_target
+    from .eval_plan import check_harness, check_model_folder, eval_target
 
     if bench not in BENCHES:
         fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
@@ -384,9 +404,19 @@ def eval_(
             problems = load_bench(bench, data_file=local if local is not None else "hub", limit=limit)
     except ValueError as exc:
         fail(str(exc))
+    data = str(Path(local).resolve()) if local is not None else "hub"
+    if resume and harness == "stare":  # the folder's settings, before any model is loaded or anything written
+        try:
+            check_resume(out_dir, eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools))
+        except EvalRefused as exc:
+            fail(str(exc))
     if (out_dir / "samples.jsonl").exists() and not resume:
         fail(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare" else "")
              + "use another --out (nothing was changed)")
+    try:
+        check_model_folder(model)  # a file (README.md), a folder without a readable config.json
+    except ValueError as exc:
+        fail(str(exc))
     errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
     from .local.runner import quiet
 
@@ -414,8 +444,12 @@ def eval_(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(f"{bench} x {proto.k} samples", total=total)
-        summary = run_eval(problems, engine, proto, out_dir, bench=bench, model=model, seed=seed, resume=resume,
-                           progress=lambda n: progress.advance(task, n))
+        try:
+            summary = run_eval(problems, engine, proto, out_dir, bench=bench, model=model, seed=seed, resume=resume,
+                               progress=lambda n: progress.advance(task, n), data=data, tools=tools)
+        except EvalRefused as exc:
+            progress.stop()
+            fail(str(exc))
     _print_eval_summary(bench, summary, f"protocol {proto.name}", out_dir)
 
 

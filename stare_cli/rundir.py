@@ -12,7 +12,11 @@ nothing was changed.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import struct
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -129,3 +133,124 @@ def final_model(run_dir: Path) -> Path | None:
     if (run_dir / "config.yaml").exists() and (final / "config.json").exists():
         return final
     return None
+
+
+# --- what a resume continues from ---------------------------------------------------------------------------
+
+CHECKPOINT = "checkpoint"  # the local trainer's (local/trainer.py CHECKPOINT)
+METRICS = "metrics.jsonl"
+
+
+def read_jsonl(path: Path, *, what: str = "line") -> tuple[list[dict], bool]:
+    """The records of a JSONL file that a kill may have cut: (records, whether the last line was cut and
+    dropped). A line that is not JSON anywhere but at the end is ``RunDirError`` naming the file and the line."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records, cut = [], False
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                cut = True  # the last line, cut by a kill during its write: dropped, and redone
+                break
+            raise RunDirError(f"{path} line {i + 1} is corrupt ({str(exc).splitlines()[0]}), not the last {what} "
+                              "cut by a kill; it cannot be resumed: use another --out (nothing was changed)") from None
+        records.append(rec)
+    return records, cut
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a ``.safetensors`` file cannot be loaded (cut short, a bad header), read from its header alone."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"is {size} bytes, shorter than a header"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"is cut short ({size} bytes, its header alone says {n + 8})"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"has a corrupt header ({type(exc).__name__})"
+    if size != 8 + n + end:
+        return f"is cut short ({size} bytes of the {8 + n + end} its header lists)"
+    return None
+
+
+def torch_zip_problem(path: Path) -> str | None:
+    """Why a ``torch.save`` file (a zip archive) cannot be loaded (cut short, no archive), without torch."""
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"is cut short (its entry {info.filename} ends past the file)"
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        return f"is cut short or corrupt ({str(exc).splitlines()[0] or type(exc).__name__})"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """The first file of a local checkpoint folder that cannot be loaded, and why; None when it looks whole."""
+    config = folder / "config.json"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{config} cannot be read ({str(exc).splitlines()[0]})"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return f"{folder} holds no model weights (*.safetensors)"
+    for w in weights:
+        why = safetensors_problem(w)
+        if why:
+            return f"{w} {why}"
+    state = folder / "trainer_state.pt"
+    if not state.is_file():
+        return f"{state} is missing"
+    why = torch_zip_problem(state)
+    return f"{state} {why}" if why else None
+
+
+def check_resumable(run_dir: Path) -> None:
+    """A local run folder's ``--resume`` can continue: ``metrics.jsonl`` has no corrupt line but a cut last one
+    (which the trainer drops and redoes), and the checkpoint loads. ``RunDirError`` (one line naming the file, and
+    the earlier checkpoint to resume from where one is kept) otherwise; nothing is changed either way."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS
+    if metrics.is_file():
+        read_jsonl(metrics, what="step")
+    ckpt, old = run_dir / CHECKPOINT, run_dir / (CHECKPOINT + ".old")
+    earlier = ""
+    if old.is_dir() and checkpoint_problem(old) is None:
+        earlier = f"; an earlier checkpoint is kept: rename {old} to {ckpt} and resume again to continue from it"
+    if not ckpt.exists():
+        if earlier:  # a kill between the two renames of a save: only the earlier checkpoint is whole
+            raise RunDirError(f"{ckpt} is missing (a save was cut){earlier}")
+        return
+    why = checkpoint_problem(ckpt)
+    if why:
+        raise RunDirError(f"{why}: the checkpoint cannot be resumed from{earlier or f'; remove {ckpt} to start this run again from step 0, or use another --out'} (nothing was changed)")
+
+
+def remove_unstarted_run(run_dir: Path, existed: bool) -> None:
+    """A new run that failed before its first checkpoint: remove what it wrote, so that nothing blocks a corrected
+    retry in the same folder (a folder that was there, empty, stays; one made for the run goes)."""
+    run_dir = Path(run_dir)
+    if (run_dir / CHECKPOINT).exists() or not run_dir.is_dir():
+        return
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for child in run_dir.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)

@@ -21,7 +21,7 @@ import openrlhf_standins  # noqa: E402
 openrlhf_standins.install()
 
 GPU_PRESETS = [n for n in preset_names() if load_preset(n).backend == "openrlhf"]
-EXTRA_SETS = {"qwen-7b-tool-use": ["cold_start_checkpoint=/ckpt/qwen2.5-7b-sft"]}
+EXTRA_SETS = {"qwen-7b-tool-use": ["cold_start_checkpoint=owner/qwen2.5-7b-sft"]}  # a hub id (a path must exist)
 
 
 class ReachedRayInit(Exception):
@@ -82,7 +82,7 @@ def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
             assert args.reward.overlong_buffer_len == cfg["overlong_buffer_len"]
         if s["agent"]:
             assert args.train.agent_func_path.endswith("python_agent.py")
-            assert args.actor.model_name_or_path == "/ckpt/qwen2.5-7b-sft"
+            assert args.actor.model_name_or_path == "owner/qwen2.5-7b-sft"
         else:
             assert args.reward.remote_url == [str(orl.REWARD_FILE)]
         env = plan["ray"]["runtime_env"]["env_vars"]

@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from stare.cli.eval_plan import check_harness, eval_target
+from stare.cli.eval_plan import check_harness, check_model_folder, eval_target
 from stare.cli.rundir import RunDirError, check_run_dir, check_run_set_dir, final_model, mark_run_set
 
 
@@ -24,8 +24,22 @@ def test_eval_target_takes_a_training_runs_final_model(tmp_path):
     (run / "final" / "config.json").write_text("{}")
     assert eval_target(None, run, "aime24") == (str(run / "final"), run / "eval-aime24")
     assert eval_target("owner/name", None, "aime25") == ("owner/name", tmp_path.__class__("evals") / "aime25")
-    with pytest.raises(ValueError, match="neither a folder nor a hub id"):
+    with pytest.raises(ValueError, match="no such folder .*and not a hub id"):
         eval_target("runs/tiny/stare/final", None, "aime24")
+    # the rows: an absolute path that is missing is a missing folder, not a hub id to ask for
+    with pytest.raises(ValueError, match=r"--model '/nonexistent': no such folder \(/nonexistent\)"):
+        eval_target("/nonexistent", None, "aime24")
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    with pytest.raises(ValueError, match="is a file; expected a model folder"):
+        check_model_folder(str(readme))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json that is not valid JSON"):
+        check_model_folder(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="folder without config.json"):
+        check_model_folder(str(tmp_path))
+    check_model_folder(str(run / "final"))  # a model folder passes
     assert eval_target(str(run / "final"), tmp_path / "o", "aime24") == (str(run / "final"), tmp_path / "o")
 
 

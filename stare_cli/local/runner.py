@@ -20,6 +20,7 @@ from rich.progress import Progress
 
 from . import progress as bars
 from .device import engine_device
+from ..rundir import check_resumable
 from .trainer import LocalTrainer, check_run_dir, prepare_run_dir, warmstart_name
 
 
@@ -85,6 +86,8 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
         resolved["settings"]["seed"] = base_seed + s
         # with --resume, arms not started yet are simply started
         check_run_dir(run_dir, resolved, resume and (run_dir / "config.yaml").exists())
+        if resume and not (run_dir / "eval.json").exists():
+            check_resumable(run_dir)  # a corrupt metrics line or checkpoint: one line, before anything is written
         plan.append((algo, base_seed + s, resolved, run_dir, (run_dir / "eval.json").exists()))
     for _, _, resolved, run_dir, _ in plan:  # every arm checked before anything is written
         prepare_run_dir(run_dir, resolved, resume=(run_dir / "config.yaml").exists())

@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -150,8 +151,14 @@ class LocalTrainer:
         # drop metrics written after the checkpoint: those steps run again
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
-            keep = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-            _atomic_write(metrics, "".join(ln + "\n" for ln in keep))
+            from ..rundir import read_jsonl
+
+            records, cut = read_jsonl(metrics, what="step")  # a corrupt line before the last: RunDirError
+            if cut:
+                print(f"warning: {metrics}: the last line was cut (a kill during its write); dropped, its step "
+                      "runs again", file=sys.stderr, flush=True)
+            keep = [rec for rec in records if rec["step"] <= self.step]
+            _atomic_write(metrics, "".join(json.dumps(rec) + "\n" for rec in keep))
 
     # ---- one step -------------------------------------------------------------------------------------------
     def _rollout(self) -> tuple[Rollout, torch.Tensor, float, int]:

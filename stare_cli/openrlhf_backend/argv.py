@@ -114,6 +114,11 @@ def check_settings(settings: dict, source: str) -> dict:
                 "nodes", "vllm_engines", "vllm_tensor_parallel", "max_tokens_per_gpu", "max_checkpoints"):
         if out[key] < 1:
             raise SettingsError(f"preset {source}: setting {key!r} must be >= 1, got {out[key]}")
+    for key in ("cold_start_checkpoint",):  # a path that is not there is not a hub id to wait for
+        if out[key] and _missing_path(out[key]):
+            raise SettingsError(f"preset {source}: setting {key!r} {out[key]}: no such folder "
+                                f"({Path(out[key]).expanduser().absolute()}); expected a model folder or a hub id "
+                                "(owner/name)")
     if out["agent"] not in AGENTS:
         raise SettingsError(f"preset {source}: unknown agent {out['agent']!r}; valid agents: '' (none), python")
     if out["zero_stage"] not in (0, 1, 2, 3):
@@ -123,6 +128,12 @@ def check_settings(settings: dict, source: str) -> dict:
                             f"got {out['vllm_gpu_memory_utilization']}")
     _check_layout(out, source)
     return out
+
+
+def _missing_path(value: str) -> bool:
+    """A model setting that is a local path (not owner/name) and does not exist here."""
+    hub_id = value.count("/") == 1 and not value.startswith(("/", "./", "../", "~")) and all(value.split("/"))
+    return not hub_id and not Path(value).expanduser().exists()
 
 
 def _check_layout(s: dict, source: str) -> None:
