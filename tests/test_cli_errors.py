@@ -424,3 +424,94 @@ def test_protocol_range_errors_name_the_flag(tmp_path, flag, value):
     line = one_line(res)
     assert line.startswith(f"error: {flag} must be in ") and f"got {float(value)}" in line, line
     assert not (tmp_path / "o").exists()
+
+
+# --- issue 23's rows: each a new user's bad input that used to give a traceback or pass silently ------------
+
+@pytest.mark.parametrize("case", ["run", "train", "eval", "compare"])
+def test_out_that_cannot_be_written_is_one_line_and_writes_nothing(tmp_path, a_file, case, monkeypatch):
+    """--out on a read-only file system (Errno 30 used to be a traceback). ``access(2)`` says so even to root, so
+    the check is simulated by making ``access`` answer as a read-only file system does."""
+    import errno as errno_
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(errors.os, "access", lambda p, mode: False if Path(p) == ro and mode & os.W_OK
+                        else real_access(p, mode))
+    args = _out_cases(tmp_path, a_file)[case]
+    before = tree(tmp_path)
+    for out in (ro, ro / "new"):
+        line = one_line(invoke(*args, "--out", str(out)))
+        assert f"--out {out}" in line and "not writable" in line, line
+    assert tree(tmp_path) == before
+    assert errno_.EROFS in errors.WRITE_ERRNOS
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o555 folder; the simulated case above covers it")
+def test_out_in_a_read_only_folder_is_one_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        line = one_line(invoke("train", "--preset", "tiny-cpu", "--out", str(ro / "run"), "--set", "steps=1"))
+        assert "not writable" in line
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_write_refused_by_the_file_system_later_is_one_line(tmp_path, monkeypatch):
+    """Found only at the write (a file system that turns read-only mid-run): one line naming the file, exit 2."""
+    import errno as errno_
+
+    import stare.cli.compare as compare_mod
+
+    target = tmp_path / "cmp" / "comparison.md"
+
+    def refuse(dirs, out):
+        raise OSError(errno_.EROFS, "Read-only file system", str(target))
+
+    monkeypatch.setattr(compare_mod, "compare", refuse)
+    (tmp_path / "r").mkdir()
+    line = one_line(invoke("compare", str(tmp_path / "r"), "--out", str(tmp_path / "cmp")))
+    assert line == f"error: cannot write {target}: Read-only file system (errno 30); use another --out or free the space"
+
+
+def test_empty_algos_is_one_line_not_the_default_arms(tmp_path):
+    for value in ("", " , "):
+        line = one_line(invoke("run", "--algos", value, "--out", str(tmp_path / "o")))
+        assert f"--algos {value!r}: no algorithm named" in line and "grpo, dr-grpo" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_absolute_model_path_is_a_missing_folder_not_a_hub_id(tmp_path):
+    line = one_line(invoke("eval", "--bench", "aime24", "--model", "/nonexistent", "--out", str(tmp_path / "o")))
+    assert "--model '/nonexistent': no such folder (/nonexistent)" in line and "cannot be reached" not in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_model_that_is_a_file_is_one_line(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# stare\n")
+    line = one_line(invoke("eval", "--bench", "aime24", "--model", str(readme), "--backend", "hf",
+                           "--out", str(tmp_path / "o")))
+    assert f"--model {readme} is a file; expected a model folder" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_data_file_naming_a_folder_is_one_line(tmp_path):
+    line = one_line(invoke("eval", "--bench", "aime24", "--model", "x/y", "--data-file", str(tmp_path),
+                           "--backend", "hf", "--out", str(tmp_path / "o")))
+    assert f"--data-file {tmp_path} is a folder; expected a .jsonl or .parquet file" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_cold_start_checkpoint_is_refused_by_the_dry_run(tmp_path):
+    line = one_line(invoke("train", "--preset", "qwen-7b-tool-use", "--set", "cold_start_checkpoint=/no/such/path",
+                           "--dry-run", "--out", str(tmp_path / "o")))
+    assert "'cold_start_checkpoint' /no/such/path: no such folder" in line and "hub id" in line
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    res = invoke("train", "--preset", "qwen-7b-tool-use", "--set", f"cold_start_checkpoint={sft}", "--dry-run",
+                 "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output
