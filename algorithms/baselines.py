@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._checks import broadcast_advantages, check_finite, check_range, check_same_shape
+from ._checks import broadcast_advantages, check_choice, check_finite, check_range, check_same_shape
 from .selection import kth_largest, top_count
 
 
@@ -186,15 +186,19 @@ def kl_cov_coefs(
 
 
 def entropy_top_weights(entropy: torch.Tensor, mask: torch.Tensor, *, top_ratio: float = 0.2,
-                        group=None) -> torch.Tensor:
-    """80/20's token mask, ``[B, T]`` float32: 1 on the top ``ceil(top_ratio * N)`` response tokens by entropy,
-    0 on the other response tokens, 1 on padding.
+                        group=None, denominator: str = "all") -> torch.Tensor:
+    """80/20's token weights, ``[B, T]`` float32: on the top ``ceil(top_ratio * N)`` response tokens by entropy
+    the keep weight, 0 on the other response tokens, 1 on padding.
 
     ``entropy``: ``[B, T]``, the old policy's per-position entropy. The count is ``top_count`` (ceil, at least 1;
     0 when ``top_ratio`` is 0) over all ranks' N response tokens; a threshold, so tokens tied at it are all kept.
+    ``denominator``: ``all`` keeps weight 1 (the loss stays divided by all N response tokens, as TRL's
+    ``top_entropy_quantile``); ``selected`` gives the kept tokens N / S (S of them kept over all ranks), so a
+    token-mean loss over the N tokens is the mean over the S selected ones, as the 80/20 paper's code divides it.
     """
     _check_tokens("entropy", entropy, mask)
     check_range("top_ratio", top_ratio, 0, 1)
+    check_choice("denominator", denominator, ("all", "selected"))
     valid = mask.bool()
     check_finite(valid, entropy=entropy)
     values = entropy.detach().to(torch.float32)
@@ -203,4 +207,9 @@ def entropy_top_weights(entropy: torch.Tensor, mask: torch.Tensor, *, top_ratio:
     if k == 0:  # no response token anywhere, or top_ratio 0: nothing kept
         return torch.where(valid, 0.0, 1.0).to(torch.float32)
     threshold = kth_largest(values[valid], k, group)
-    return torch.where(valid & (values < threshold), 0.0, 1.0).to(torch.float32)
+    dropped = valid & (values < threshold)
+    if denominator == "all":
+        return torch.where(dropped, 0.0, 1.0).to(torch.float32)
+    kept = int(_all_reduce((valid & ~dropped).sum().to(torch.int64), group))  # S >= k (ties at the threshold)
+    keep = torch.where(valid, n / kept, 1.0).to(torch.float32)
+    return torch.where(dropped, 0.0, keep)

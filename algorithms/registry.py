@@ -15,6 +15,9 @@ from .controllers import BandGate, PaperGate
 # none, clip-cov (drop the gradient of a few high-covariance tokens), kl-cov (|log-ratio| penalty on the top
 # covariance tokens, unclipped surrogate), 80-20 (gradient through the top top_ratio tokens by entropy only).
 TOKEN_RULES = ("none", "clip-cov", "kl-cov", "80-20")
+# 80-20's loss denominator: selected (the loss divided by the selected tokens, as the 80/20 paper's code) or all
+# (divided by every response token, as TRL's top_entropy_quantile)
+MASK_DENOMINATORS = ("all", "selected")
 CONTROLLERS = ("paper", "band")
 SCOPES = ("global", "micro_batch")
 # What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
@@ -48,6 +51,7 @@ class AlgoConfig:
     m: float = 0.9
     damp: float = 1.0
     phi_cap: float | None = None
+    phi_tol: float = 0.0  # |A Phi| within this share of the step's mean keeps weight 1 (selection.py; 0: the sign)
     scope: str = "global"  # global: one selection over the step's batch; micro_batch: the reference's rule
     controller: str = "paper"
     target_entropy: float = 0.3
@@ -73,6 +77,7 @@ class AlgoConfig:
     k_ratio: float = 2e-3  # kl-cov: share of the response tokens that get the |log-ratio| penalty
     # kl-cov: the penalty's coefficient (not "kl_coef": that is the GPU presets' reference-KL run setting)
     kl_cov_coef: float = 1.0
+    mask_denominator: str = "all"  # 80-20: one of MASK_DENOMINATORS
 
     def validate(self) -> "AlgoConfig":
         check_range("clip_low", self.clip_low, 0, 1)  # 1: no clip below (the ratio is > 0)
@@ -93,7 +98,12 @@ class AlgoConfig:
         check_range("damp", self.damp, 0, None, low_open=True)
         if self.phi_cap is not None:
             check_range("phi_cap", self.phi_cap, 0, 1)
+        check_range("phi_tol", self.phi_tol, 0, None)
         check_choice("token_rule", self.token_rule, TOKEN_RULES)
+        check_choice("mask_denominator", self.mask_denominator, MASK_DENOMINATORS)
+        if self.mask_denominator != "all" and self.token_rule != "80-20":
+            raise ValueError(f"mask_denominator {self.mask_denominator!r} applies to token_rule 80-20 only "
+                             f"(this algorithm's is {self.token_rule!r}); set mask_denominator to all")
         check_range("clip_ratio", self.clip_ratio, 0, 1, low_open=True)
         check_range("cov_low", self.cov_low, None, None)
         check_range("cov_high", self.cov_high, self.cov_low, None, low_open=True)
@@ -121,7 +131,7 @@ class AlgoConfig:
     def selection_kwargs(self) -> dict:
         """Fixed keyword arguments for ``stare_token_weights`` (the controller supplies gate/W/M/damp)."""
         return {"top_ratio": self.top_ratio, "variant": self.variant, "selection": self.selection,
-                "phi_cap": self.phi_cap}
+                "phi_cap": self.phi_cap, "phi_tol": self.phi_tol}
 
     @property
     def needs_phi(self) -> bool:
@@ -175,7 +185,7 @@ ALGORITHMS: dict[str, AlgoConfig] = {
                    "dynamic sampling", token_rule="kl-cov", **_COV_BASE, clip_low=0.2, clip_high=0.2),
         AlgoConfig("80-20", "80/20 (Wang et al. 2025, Beyond the 80/20 Rule): policy gradient only through the top "
                    "20% tokens by entropy, on DAPO's settings", token_rule="80-20", top_ratio=0.2,
-                   overlong_shaping=True, **_DAPO_BASE),
+                   mask_denominator="selected", overlong_shaping=True, **_DAPO_BASE),
     )
 }
 

@@ -15,6 +15,12 @@ Phi > 0 (they lower it), optionally capped to the top ``phi_cap`` share by Phi; 
 entropy-lowering majority (A > 0, Phi < 0). ``direction=-1`` mirrors everything (the ranking key is
 negated) for a two-sided controller that pushes entropy down.
 
+``phi_tol`` keeps a near-zero Phi from deciding by its sign: with x = |A Phi| (the token's share of the
+first-order entropy change) and tau = max(phi_tol * mean x over the step's A != 0 tokens, PHI_TOL_FLOOR), a
+token with x <= tau keeps weight 1, one with x >= 2 tau gets the rule's full weight, and in between the weight
+moves linearly (1 + f (W - 1), f = x / tau - 1). The weights are then a continuous function of Phi, so numbers
+that differ in the last bits give weights that differ in the last bits. ``phi_tol=0`` is the plain sign rule.
+
 Selection is a once-per-step operation: it reads counts on the host to size the top-k, which is one small
 synchronisation per step, not per micro-batch. With a torch.distributed ``group`` the thresholds are found
 exactly over all ranks' tokens by a radix select on the float bit patterns (four all-reduces of a
@@ -29,6 +35,11 @@ import torch
 from ._checks import broadcast_advantages, check_choice, check_finite, check_range, check_same_shape
 
 from ._plain import SELECTIONS, VARIANTS  # noqa: E402 - ("quantile", "phi"), ("O1", "C2"); torch-free for the registry
+
+
+# the smallest tau of the phi_tol rule, on the |A Phi| scale: the float32 error of a computed Phi is about 1e-7 times
+# the logits' scale, so below this a sign is noise whatever the step's mean
+PHI_TOL_FLOOR = 1e-6
 
 
 def top_count(ratio: float, n: int) -> int:
@@ -155,6 +166,7 @@ def stare_token_weights(
     micro_batch_size: int | None = None,
     phi_cap: float | None = None,
     direction: int = 1,
+    phi_tol: float = 0.0,
 ) -> torch.Tensor:
     """Per-token STARE weights, shaped like ``logprobs`` (float32): 1 except on the selected tokens.
 
@@ -170,6 +182,8 @@ def stare_token_weights(
       consecutive block of that many sequences (so it depends on the split). ``None`` (default): one
       selection over everything passed in.
     - ``direction``: +1 raises entropy (the paper), -1 mirrors the rule to lower it.
+    - ``phi_tol`` (``selection="phi"`` and ``damp``): tokens whose |A Phi| is within ``phi_tol`` of the step's mean
+      |A Phi| keep weight 1, and the weight ramps to the rule's over the next ``phi_tol`` (module docstring).
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
@@ -184,6 +198,7 @@ def stare_token_weights(
     check_choice("direction", direction, (1, -1))
     if phi_cap is not None:
         check_range("phi_cap", phi_cap, 0, 1)
+    check_range("phi_tol", phi_tol, 0, None)
     if selection == "phi" and phi is None:
         raise ValueError("selection='phi' needs the phi tensor (from entropy_sensitivity)")
     if damp != 1.0 and phi is None:
@@ -203,7 +218,7 @@ def stare_token_weights(
 
     if micro_batch_size is not None and micro_batch_size < logprobs.shape[0]:
         kwargs = dict(top_ratio=top_ratio, w=w, m=m, variant=variant, selection=selection, damp=damp,
-                      phi_cap=phi_cap, direction=direction)
+                      phi_cap=phi_cap, direction=direction, phi_tol=phi_tol)
         parts = []
         for start in range(0, logprobs.shape[0], micro_batch_size):
             rows = slice(start, start + micro_batch_size)
@@ -223,24 +238,53 @@ def stare_token_weights(
     adv = advantages[:, :1] if per_sequence else advantages  # a [B, 1] view broadcasts without a copy
     pos = valid & (adv > 0)
     neg = valid & (adv < 0)
+    reads_phi = selection == "phi" or damp != 1.0
+    signed_phi = phi.detach().to(torch.float32) * direction if reads_phi else None
+    share = _phi_ramp(signed_phi, adv, valid, phi_tol, group) if reads_phi and phi_tol > 0 else None
     if selection == "quantile":
         l_pos = _top_share(key, pos, top_ratio, group)
         l_neg = _top_share(key, neg, top_ratio, group) if variant == "C2" else None
     else:
-        signed_phi = phi.detach().to(torch.float32) * direction
-        raising = signed_phi > 0
+        raising = signed_phi > 0 if share is None else (signed_phi > 0) & (share > 0)
         l_pos = pos & raising
         l_neg = (neg & raising) if variant == "C2" else None
         if phi_cap is not None:
             l_pos = _top_share(signed_phi, l_pos, phi_cap, group)
             if l_neg is not None:
                 l_neg = _top_share(signed_phi, l_neg, phi_cap, group)
-    weights.masked_fill_(l_pos, w)
+    phi_share = share if selection == "phi" else None  # the paper's quantile choice does not read Phi
+    _put(weights, l_pos, w, phi_share)
     if l_neg is not None:
-        weights.masked_fill_(l_neg, m)
+        _put(weights, l_neg, m, phi_share)
     if damp != 1.0:
-        weights.masked_fill_(pos & (phi.detach().to(torch.float32) * direction < 0), damp)
+        _put(weights, pos & (signed_phi < 0), damp, share)
     return weights
+
+
+def _put(weights: torch.Tensor, where: torch.Tensor, value: float, share: torch.Tensor | None) -> None:
+    """In place on ``where``: ``value`` (``share`` None), or the phi_tol ramp from the weight set so far towards
+    it, cur + share (value - cur)."""
+    if share is None:
+        weights.masked_fill_(where, value)
+    else:
+        weights.copy_(torch.where(where, weights + share * (value - weights), weights))
+
+
+def _phi_ramp(signed_phi: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, phi_tol: float, group
+              ) -> torch.Tensor:
+    """The phi_tol rule's share f in [0, 1] per token: 0 while |A Phi| <= tau, 1 from 2 tau, linear between;
+    tau = max(phi_tol * mean |A Phi| over the A != 0 response tokens (all ranks), PHI_TOL_FLOOR)."""
+    x = (adv.to(torch.float32) * signed_phi).abs()
+    counted = valid & (adv != 0)
+    x = torch.where(counted, x, 0.0)
+    sums = torch.stack([x.sum(dtype=torch.float64), counted.sum().to(torch.float64)])
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    mean = sums[0] / sums[1].clamp(min=1.0)
+    tau = torch.clamp(phi_tol * mean, min=PHI_TOL_FLOOR).to(torch.float32)
+    return (x / tau - 1.0).clamp(0.0, 1.0)
 
 
 

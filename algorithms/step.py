@@ -323,12 +323,17 @@ def stare_step(
         pairs = {}
         lowered = torch.zeros_like(valid)
         if weights is not None:
-            pairs.update({P + k: v for k, v in reweight_sums(weights, adv, mask).items()})
+            # a baseline's shares count its 0/1 choice, whatever weight its kept tokens carry (80-20's N / S)
+            marks = torch.where(weights != 0, 1.0, 0.0) if cfg.token_rule != "none" else weights
+            sums = reweight_sums(marks, adv, mask)
+            if marks is not weights:
+                sums["mean_weight"] = reweight_sums(weights, adv, mask)["mean_weight"]
+            pairs.update({P + k: v for k, v in sums.items()})
             pairs[P + "entropy_forecast"] = entropy_forecast_sums(stats.phi, adv, mask, weights=weights)
-            boosted = valid & (weights > 1)
+            boosted = valid & (marks > 1)
             pairs[P + "boosted_phi_pos_share"] = ((boosted & phi_pos).sum(), boosted.sum())
             pairs[P + "masked_share"] = ((valid & (weights == 0)).sum(), valid.sum())
-            lowered = valid & (weights < 1)
+            lowered = valid & (marks < 1)
         if penalty is not None:
             penalised = valid & (penalty > 0)
             pairs[P + "penalised_share"] = (penalised.sum(), valid.sum())
@@ -360,4 +365,5 @@ def _token_rule(cfg: AlgoConfig, logprobs, advantages, mask, stats: EntropyStats
                                 cov_high=cfg.cov_high, generator=generator, group=group), None
     if cfg.token_rule == "kl-cov":
         return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_cov_coef, group=group)
-    return entropy_top_weights(stats.entropy, mask, top_ratio=cfg.top_ratio, group=group), None
+    return entropy_top_weights(stats.entropy, mask, top_ratio=cfg.top_ratio, group=group,
+                               denominator=cfg.mask_denominator), None

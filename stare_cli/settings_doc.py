@@ -36,6 +36,8 @@ ALGO_SETTING_HELP = {
     "m": "weight on the selected A < 0 tokens (C2), the paper's M",
     "damp": "phi selection: weight on the entropy-lowering A > 0 tokens (1: untouched)",
     "phi_cap": "phi selection: keep only this top share by Phi (null: every token with the right sign)",
+    "phi_tol": "phi selection and damp: a token whose |A Phi| is at most this share of the step's mean keeps weight "
+               "1, and its weight reaches the rule's at twice that (0: the sign of Phi decides alone)",
     "scope": "where the selection is made: global (the step's whole batch) or micro_batch (the reference's rule)",
     "controller": "the entropy gate: paper (on while entropy < target_entropy) or band (proportional, "
                   "band_low..band_high)",
@@ -60,6 +62,8 @@ ALGO_SETTING_HELP = {
     "cov_high": "clip-cov: candidates have a log-prob/advantage covariance below this",
     "k_ratio": "kl-cov: share of the response tokens, the top ones by covariance, that get the |log-ratio| penalty",
     "kl_cov_coef": "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is unclipped)",
+    "mask_denominator": "80-20: the loss divided by the selected tokens (selected, the 80/20 paper's code) or by "
+                        "every response token (all, TRL's choice)",
 }
 
 # One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu): the schema's own words

@@ -22,6 +22,7 @@ from stare.algorithms import (
     floor_count,
     get_algorithm,
     kl_cov_coefs,
+    policy_loss,
     stare_step,
     token_covariance,
 )
@@ -106,13 +107,15 @@ def _brute_clip_cov(logp, adv, mask, keys, ratio, low, high):
     return out
 
 
-def _brute_80_20(entropy, mask, ratio):
+def _brute_80_20(entropy, mask, ratio, denominator="all"):
     toks = _tokens(entropy, torch.zeros(entropy.shape[0]), mask, entropy)
     out = torch.ones(entropy.shape)
     kept = {t["pos"] for t in _threshold_set(toks, lambda t: t["h"], _ceil_k(ratio, len(toks)))}
     for t in toks:
         if t["pos"] not in kept:
             out[t["pos"]] = 0.0
+        elif denominator == "selected":
+            out[t["pos"]] = len(toks) / len(kept)
     return out
 
 
@@ -264,6 +267,42 @@ def test_80_20_keeps_the_top_share_by_entropy(seed, ratio):
     expected = _brute_80_20(entropy, mask, ratio)
     assert got.dtype == torch.float32 and torch.equal(got, expected)
     assert got[~mask].eq(1).all() and int(got[mask].sum()) >= _ceil_k(ratio, int(mask.sum()))
+    sel = entropy_top_weights(entropy, mask, top_ratio=ratio, denominator="selected")
+    assert torch.allclose(sel, _brute_80_20(entropy, mask, ratio, "selected"), rtol=1e-6, atol=0)
+    assert torch.equal(sel == 0, got == 0)  # the same tokens kept; only their weight differs
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_80_20_selected_denominator_is_the_mean_over_the_selected_tokens(agg):
+    """The loss with denominator "selected", by hand: token-mean sums the kept tokens' losses and divides by their
+    count S (the 80/20 paper's code); "all" divides the same sum by every response token N (TRL's, and what this
+    project did before)."""
+    logp, adv, mask, entropy = _batch(seed=5, B=6, T=10, per_token=True)
+    old = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    kept = entropy_top_weights(entropy, mask, top_ratio=0.2) == 1
+    toks = [(b, t) for b in range(logp.shape[0]) for t in range(logp.shape[1]) if mask[b, t]]
+
+    def token_loss(b, t):  # the clipped surrogate of one token, as section 2 of docs/algorithm.md writes it
+        r = math.exp(float(logp[b, t] - old[b, t]))
+        a = float(adv[b, t])
+        return max(-a * r, -a * min(max(r, 0.8), 1.28))
+
+    n, s_count = len(toks), sum(bool(kept[p]) for p in toks)
+    if agg == "token-mean":
+        by_hand = {"selected": sum(token_loss(*p) for p in toks if kept[p]) / s_count}
+        by_hand["all"] = by_hand["selected"] * s_count / n
+    else:  # each sequence's mean over its tokens, the kept ones weighted N / S, then the mean over sequences
+        def seq_mean(scale):
+            rows = [[p for p in toks if p[0] == b] for b in range(logp.shape[0])]
+            return sum(sum(token_loss(*p) * scale for p in row if kept[p]) / len(row) for row in rows if row) / len(
+                [row for row in rows if row])
+        by_hand = {"selected": seq_mean(n / s_count), "all": seq_mean(1.0)}
+    for denominator in ("selected", "all"):
+        w = entropy_top_weights(entropy, mask, top_ratio=0.2, denominator=denominator)
+        loss, _ = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, weights=w, agg=agg,
+                              num_seqs=int(mask.any(-1).sum()))
+        assert float(loss) == pytest.approx(by_hand[denominator], rel=1e-5), denominator
+    assert by_hand["selected"] != pytest.approx(by_hand["all"])
 
 
 def test_80_20_edge_cases():
@@ -291,8 +330,11 @@ def test_stare_step_runs_each_rule_once_over_the_batch(scope):
     kl = get_algorithm("kl-cov", k_ratio=0.1, kl_cov_coef=0.5, scope=scope)
     r = stare_step(None, kl, logp, adv, mask, stats, micro_batches=parts)
     assert r.weights is None and torch.equal(r.penalty, _brute_kl_cov(logp, adv, mask, 0.1, 0.5))
-    top = get_algorithm("80-20", top_ratio=0.3, scope=scope)
+    top = get_algorithm("80-20", top_ratio=0.3, scope=scope)  # mask_denominator "selected", the registry's
     r = stare_step(None, top, logp, adv, mask, stats, micro_batches=parts)
+    assert r.penalty is None and torch.allclose(r.weights, _brute_80_20(entropy, mask, 0.3, "selected"), rtol=1e-6)
+    r = stare_step(None, get_algorithm("80-20", top_ratio=0.3, scope=scope, mask_denominator="all"), logp, adv, mask,
+                   stats, micro_batches=parts)
     assert r.penalty is None and torch.equal(r.weights, _brute_80_20(entropy, mask, 0.3))
     clip = get_algorithm("clip-cov", clip_ratio=0.1, cov_low=0.0, cov_high=0.8, scope=scope)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
@@ -320,16 +362,18 @@ def test_stare_step_telemetry_of_the_rules():
     assert "stare/boosted_phi_pos_share" not in m
     assert m["stare/entropy_forecast"] == m["stare/entropy_forecast_base"]  # |logp - old| has no first-order push
 
-    r = stare_step(None, get_algorithm("80-20"), logp, adv, mask, stats)
-    dropped = [t["pos"] for t in toks if r.weights[t["pos"]] == 0]
-    m = r.metrics
-    assert m["stare/masked_share"] == pytest.approx(len(dropped) / n)
-    assert m["stare/lowered_phi_pos_share"] == pytest.approx(share(dropped))
-    assert m["stare/mean_weight"] == pytest.approx(1 - len(dropped) / n)
-    assert "stare/penalised_share" not in m and "stare/boosted_phi_pos_share" not in m
-    adv_tok = {t["pos"]: t["a"] for t in toks}
-    kept_sum = sum(adv_tok[p] * phi[p] for p in phi if r.weights[p] == 1)
-    assert m["stare/entropy_forecast"] == pytest.approx(kept_sum / n, rel=1e-5, abs=1e-7)
+    for denominator in ("all", "selected"):
+        r = stare_step(None, get_algorithm("80-20", mask_denominator=denominator), logp, adv, mask, stats)
+        dropped = [t["pos"] for t in toks if r.weights[t["pos"]] == 0]
+        keep = 1.0 if denominator == "all" else n / (n - len(dropped))  # the kept tokens' weight
+        m = r.metrics
+        assert m["stare/masked_share"] == pytest.approx(len(dropped) / n)
+        assert m["stare/lowered_phi_pos_share"] == pytest.approx(share(dropped))
+        assert m["stare/mean_weight"] == pytest.approx(keep * (1 - len(dropped) / n))
+        assert "stare/penalised_share" not in m and "stare/boosted_phi_pos_share" not in m
+        adv_tok = {t["pos"]: t["a"] for t in toks}
+        kept_sum = sum(adv_tok[p] * phi[p] for p in phi if r.weights[p] != 0)
+        assert m["stare/entropy_forecast"] == pytest.approx(keep * kept_sum / n, rel=1e-5, abs=1e-7)
 
     # telemetry off: the rule still runs; without the entropy (not needed) only the token count is logged
     off = get_algorithm("clip-cov", telemetry="off", clip_ratio=0.1, cov_low=0.0, cov_high=0.8)

@@ -233,12 +233,22 @@ def test_80_20_trains_on_the_top_entropy_tokens_from_the_stashed_forward(monkeyp
     # the old log-probs the buffer holds are the plugin's forward's: the references use the same
     e = stash_tests._old_experience(base._install(base._trainer(monkeypatch, base._model(), base._args())), exp)
     expected, k = _top_entropy_mask(model0, e, 0.2)
+    valid = e.action_mask.bool()
+    n = int(valid.sum())
     w = _full(rows, 1.0)
-    assert int((w[e.action_mask.bool()] == 1).sum()) == k
-    assert torch.equal(w, expected)
+    # the registry's 80-20 divides by the selected tokens: the k kept ones carry N / k, so OpenRLHF's
+    # token-mean over N tokens is the mean over the k (the 80/20 paper's code)
+    assert int((w[valid] != 0).sum()) == k and torch.equal(w == 0, expected == 0)
+    assert torch.allclose(w[valid & (w != 0)], torch.tensor(n / k, dtype=w.dtype))
     g = base._grads(model)
-    assert torch.allclose(g, _hand_grads(e, agg, weights=expected), rtol=1e-4, atol=1e-6)
+    # the loss is linear in the weights: N / k times the gradient through the 0/1 mask
+    assert torch.allclose(g, _hand_grads(e, agg, weights=expected) * (n / k), rtol=1e-4, atol=1e-6)
     assert _differs(g, _hand_grads(e, agg))  # the mask is not a no-op
+    # mask_denominator all (TRL's choice, this project's before): the plain 0/1 mask, divided by all N tokens
+    model, _, _, rows, _ = _run_step(monkeypatch, "80-20", agg, exp, stash=True, telemetry="off",
+                                     mask_denominator="all")
+    assert torch.equal(_full(rows, 1.0), expected)
+    assert torch.allclose(base._grads(model), _hand_grads(e, agg, weights=expected), rtol=1e-4, atol=1e-6)
 
 
 def test_baselines_log_their_shares_with_full_telemetry(monkeypatch):

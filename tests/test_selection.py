@@ -143,6 +143,64 @@ def test_phi_rule_damping_cap_and_mirror():
     assert torch.equal(down == 1.5, (A > 0) & valid & (phi < 0))
 
 
+@pytest.mark.parametrize("phi_tol", [0.3, 1.0])
+def test_phi_tol_keeps_near_zero_phi_neutral_and_ramps_by_hand(phi_tol):
+    """phi_tol by hand: tau = phi_tol * mean |A Phi| over the A != 0 response tokens; |A Phi| <= tau keeps weight 1,
+    >= 2 tau the sign rule's weight, linear in between."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 8, 20
+    logprobs, adv, mask = random_batch(B, T, seed=11)
+    phi = torch.randn(B, T, generator=g) * torch.rand(B, T, generator=g) ** 3  # many near zero
+    A = adv[:, None].expand(B, T)
+    valid = mask.bool()
+    cells = [(b, t) for b in range(B) for t in range(T) if valid[b, t] and A[b, t] != 0]
+    tau = phi_tol * sum(abs(float(A[c]) * float(phi[c])) for c in cells) / len(cells)
+    got = stare_token_weights(logprobs, adv, mask, selection="phi", phi=phi, variant="C2", w=2.0, m=0.05, damp=0.2,
+                              phi_tol=phi_tol)
+    ramped = 0
+    for b in range(B):
+        for t in range(T):
+            a, f = A[b, t].item(), phi[b, t].item()
+            if not valid[b, t] or a == 0:
+                full = 1.0
+            elif a > 0:
+                full = 2.0 if f > 0 else 0.2
+            else:
+                full = 0.05 if f > 0 else 1.0
+            share = min(1.0, max(0.0, abs(a * f) / tau - 1.0))
+            ramped += 0 < share < 1
+            assert got[b, t].item() == pytest.approx(1.0 + share * (full - 1.0), rel=1e-5, abs=1e-6), (b, t)
+    assert ramped > 0 and (got == 1.0).sum() > (~valid).sum()  # some tokens on the ramp, some neutral
+    # phi_tol 0 is the plain sign rule
+    plain = stare_token_weights(logprobs, adv, mask, selection="phi", phi=phi, variant="C2", w=2.0, m=0.05, damp=0.2)
+    assert torch.equal(plain, stare_token_weights(logprobs, adv, mask, selection="phi", phi=phi, variant="C2", w=2.0,
+                                                  m=0.05, damp=0.2, phi_tol=0.0))
+    assert not torch.equal(plain, got)
+
+
+def test_phi_tol_a_sign_flip_in_the_last_bits_moves_no_weight():
+    """A near-zero Phi that flips sign (a last-bit difference between two machines) moves its token's weight from
+    W to damp under the sign rule, and not at all with phi_tol; the weights are continuous in Phi."""
+    logprobs, adv, mask = random_batch(4, 6, seed=3)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    phi = torch.randn(4, 6, generator=torch.Generator().manual_seed(4))
+    kw = dict(selection="phi", variant="C2", w=2.0, m=0.05, damp=0.2)
+    for tol in (0.0, 0.1):
+        up, down = phi.clone(), phi.clone()
+        up[0, 0], down[0, 0] = 3e-8, -3e-8
+        wu = stare_token_weights(logprobs, adv, mask, phi=up, phi_tol=tol, **kw)
+        wd = stare_token_weights(logprobs, adv, mask, phi=down, phi_tol=tol, **kw)
+        if tol == 0:
+            assert (wu[0, 0].item(), wd[0, 0].item()) == (2.0, pytest.approx(0.2))
+        else:
+            assert wu[0, 0].item() == wd[0, 0].item() == 1.0
+            # a relative change of 1e-6 in every Phi moves every weight by at most 1e-6 x (W - 1) x 2 x |A Phi| / tau
+            wobble = stare_token_weights(logprobs, adv, mask, phi=phi * (1 + 1e-6), phi_tol=tol, **kw)
+            base = stare_token_weights(logprobs, adv, mask, phi=phi, phi_tol=tol, **kw)
+            assert (wobble - base).abs().max().item() < 1e-3
+
+
 def test_direction_minus_one_selects_lowest_surprisal():
     logprobs, adv, mask = random_batch(seed=8)
     down = stare_token_weights(logprobs, adv, mask, top_ratio=0.2, w=1.5, direction=-1)
@@ -221,6 +279,7 @@ def _gloo_worker(rank, world, port, out_dir):
             "paper_c2": dict(variant="C2"),
             "paper_p03": dict(variant="C2", top_ratio=0.3),
             "phi_cap": dict(selection="phi", phi=phi[rows], variant="C2", phi_cap=0.25, damp=0.7),
+            "phi_tol": dict(selection="phi", phi=phi[rows], variant="C2", damp=0.7, phi_tol=0.5),
         }.items():
             results[name] = stare_token_weights(logprobs[rows], adv[rows], mask[rows], group=dist.group.WORLD, **kw)
         # kth_largest over the union, with negative values and ties; a rank may hold nothing
@@ -244,6 +303,8 @@ def test_gloo_group_equals_single_process(tmp_path):
         "paper_p03": stare_token_weights(logprobs, adv, mask, variant="C2", top_ratio=0.3),
         "phi_cap": stare_token_weights(logprobs, adv, mask, selection="phi", phi=phi, variant="C2", phi_cap=0.25,
                                        damp=0.7),
+        "phi_tol": stare_token_weights(logprobs, adv, mask, selection="phi", phi=phi, variant="C2", damp=0.7,
+                                       phi_tol=0.5),
     }
     for name, want in single.items():
         got, want = torch.cat([r0[name], r1[name]]), want.cpu()  # the workers' results are CPU tensors
