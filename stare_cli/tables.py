@@ -170,6 +170,68 @@ def _telemetry_md(arms: list[dict]) -> list[str]:
     return md
 
 
+# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+# the measures the seed table tests against the baseline: (measure, header)
+SEED_MEASURES = (("avg_at_k", "avg@k"), ("late_entropy", "late H"), ("band_share", "band share"))
+
+
+def t_interval(values: list[float]) -> tuple[float, float] | None:
+    """The 95% interval of the mean over seeds, mean -+ t(0.975, n - 1) s / sqrt(n); None under two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def _seed_values(arm: dict, measure: str) -> list[float]:
+    return [p[measure] for p in arm["runs"] if p.get(measure) is not None]
+
+
+def seed_tests(arms: list[dict], baseline: str) -> list[dict]:
+    """Per arm and measure of SEED_MEASURES: the 95% interval over seeds and, against ``baseline`` (both with two
+    seeds or more), the one-sided exact permutation p-values for "higher" and for "lower"."""
+    base = next((a for a in arms if a["arm"] == baseline), None)
+    out = []
+    for arm in arms:
+        row = {"label": arm["label"], "n_seeds": arm["n_seeds"]}
+        for measure, _ in SEED_MEASURES:
+            vals = _seed_values(arm, measure)
+            row[measure] = {"ci95": t_interval(vals), "p_higher": None, "p_lower": None}
+            if base is not None and arm is not base:
+                ref = _seed_values(base, measure)
+                if len(vals) >= 2 and len(ref) >= 2:
+                    row[measure]["p_higher"] = permutation_test(vals, ref)
+                    row[measure]["p_lower"] = permutation_test([-v for v in vals], [-v for v in ref])
+        out.append(row)
+    return out
+
+
+def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
+    """The seed table: 95% intervals and permutation p-values against the baseline (blank under two seeds)."""
+    if not any(r["n_seeds"] >= 2 for r in rows):
+        return []
+    titles = ["arm", "seeds"]
+    for _, header in SEED_MEASURES:
+        header = header.replace("@k", f"@{kk}")
+        titles += [f"{header} 95% interval", f"p {header} > {baseline}", f"p {header} < {baseline}"]
+    md = ["", "Over seeds: each measure's 95% interval of the mean (t, from the sample std), and one-sided exact "
+          f"permutation tests of the per-seed values against {baseline} (p > : this arm higher; p < : lower).", "",
+          "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    for r in rows:
+        cells = [r["label"], str(r["n_seeds"])]
+        for measure, _ in SEED_MEASURES:
+            c = r[measure]
+            ci = c["ci95"]
+            cells += ["" if ci is None else f"[{_fmt(ci[0])}, {_fmt(ci[1])}]", _fmt(c["p_higher"]), _fmt(c["p_lower"])]
+        md.append("| " + " | ".join(cells) + " |")
+    return md
+
+
 def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = ()) -> dict:
     """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
 
@@ -243,6 +305,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         "evals": eval_rows,
         "notes": notes,
     }
+    summary["seed_tests"] = seed_tests(arms, baseline)
 
     # columns: (measure, md header, csv name, signed, shown in the markdown)
     # labels name k: the evaluated one, else the configs' eval_k (an arm without eval.json has blank cells anyway)
@@ -302,6 +365,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
                "evaluation whose model is the run's final/), with its 95% bootstrap interval over problems for "
                "one run, mean ± sample std over seeds for several."]
     md += ([""] + [f"- {n}" for n in notes]) if notes else []
+    md += _seed_md(summary["seed_tests"], baseline, kk)
     md += _telemetry_md(arms)
     (out_dir / "comparison.md").write_text("\n".join(md) + "\n")
 

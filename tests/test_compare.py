@@ -2,6 +2,7 @@
 import csv
 import io
 import json
+import math
 import subprocess
 import sys
 
@@ -147,3 +148,32 @@ def test_bad_input_exit_2(tmp_path):
                           str(tmp_path / "o")], capture_output=True, text=True)
     assert res.returncode == 2 and "holds no training run" in res.stderr and "Traceback" not in res.stderr
     assert len([x for x in res.stderr.splitlines() if x.strip()]) == 1
+
+
+def test_seed_table_intervals_and_permutation_tests(tmp_path):
+    """Three seeds per arm: the late-entropy 95% interval against statistics.stdev and Student's t (4.303 for two
+    degrees of freedom), and the exact permutation p-values counted by hand (20 splits of six values)."""
+    import statistics
+
+    late = {"dapo": [0.10, 0.12, 0.14], "stare-phi": [0.35, 0.40, 0.38]}
+    runs = []
+    for algo, values in late.items():
+        for seed, h in enumerate(values):
+            path = tmp_path / algo / f"seed{seed}"
+            make_run(path, algo, [0.8] * 15 + [h] * 5)
+            cfg = yaml.safe_load((path / "config.yaml").read_text())
+            cfg["settings"]["seed"] = seed
+            (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+            runs.append(path)
+    compare(runs, tmp_path / "cmp")
+    summary = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    rows = {r["label"]: r for r in summary["seed_tests"]}
+    phi = rows["stare-phi"]["late_entropy"]
+    v = late["stare-phi"]
+    half = 4.303 * statistics.stdev(v) / math.sqrt(3)
+    assert phi["ci95"] == pytest.approx([statistics.mean(v) - half, statistics.mean(v) + half], rel=1e-6)
+    # every stare-phi value is above every dapo value: only the observed split of the 20 reaches its sum
+    assert phi["p_higher"] == pytest.approx(1 / 20) and phi["p_lower"] == 1.0
+    assert rows["dapo"]["late_entropy"]["p_higher"] is None  # the baseline is not tested against itself
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| stare-phi | 3 |" in md and "p late H > dapo" in md and "0.050" in md
