@@ -91,7 +91,8 @@ def _check_algos(value: str) -> str | None:
     return None
 
 
-# THE table: every setting a local preset may hold. Defaults are tiny-cpu's values; a preset sets what differs.
+# THE table: every setting a local preset may hold. Defaults: the embedded tiny-cpu preset's first values; a preset
+# sets what differs (stare algos --settings shows each preset's own).
 LOCAL_SETTINGS: list[Setting] = [
     Setting("task", str, "reverse", "the task: reverse (strings), explore (reversal with a rare trigger rule), arith "
             "(sums, in a chat turn)", choices=TASKS),

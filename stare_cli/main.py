@@ -104,7 +104,8 @@ def _parse_algos(text: str, flag: str | None = None) -> list[str]:
         fail(f"{flag or 'algos'} {text!r}: no algorithm named; give one or more, comma-separated, of: "
              f"{', '.join(ALGORITHMS)}")
     if unknown:
-        fail(f"unknown algorithm {unknown[0]!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        fail(f"{flag + ' ' + repr(text) + ': ' if flag else ''}unknown algorithm {unknown[0]!r}; valid algorithms: "
+             f"{', '.join(ALGORITHMS)}")
     if len(set(algos)) != len(algos):
         fail(f"--algos lists an algorithm twice: {text!r}")
     return algos
@@ -178,12 +179,16 @@ def train(
     first with --dry-run.
     """
     resolved = _resolve_or_fail(preset, algo, set_ or [])
+    if ray_address is not None and not ray_address.strip():  # given empty: not "start a head here"
+        fail("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start a Ray head "
+             "here)")
     errors.check_out_dir(out or Path("runs") / f"{preset}-{algo}")
     if resolved["backend"] == "openrlhf":
         _train_openrlhf(resolved, out or Path("runs") / f"{preset}-{algo}", ray_address, resume, dry_run)
         return
     if ray_address is not None:
-        fail(f"--ray-address is for GPU presets; {preset!r} is a local preset that trains on this machine")
+        fail(f"--ray-address {ray_address}: the flag is for GPU presets; {preset!r} is a local preset that trains on "
+             "this machine")
     if dry_run:
         if out is not None:
             resolved["out"] = str(out)
@@ -300,7 +305,8 @@ def run(
     if algos is not None:  # given, even empty: what was given is what is checked
         arm_names = _parse_algos(algos, flag="--algos")
     else:
-        arm_names = _parse_algos(overrides.get("algos") or p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
+        arm_names = _parse_algos(overrides["algos"], flag="--set algos") if "algos" in overrides else \
+            _parse_algos(p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
     if seeds is None and "seeds" in overrides:
         try:
             seeds = int(overrides["seeds"])

@@ -187,7 +187,8 @@ def local_settings_markdown() -> str:
             "prints too) by `python -m stare.cli.settings_doc > docs/local-settings.md`. Every local preset "
             "(`tiny-cpu`, `tiny-explore`, `smollm-cpu`) is checked against it when it is loaded and again after "
             "`--set`; a value outside it is one line naming the setting, the value and what is valid, and nothing "
-            "is written. Defaults are `tiny-cpu`'s; `stare algos --settings` shows each preset's own.\n\n"
+            "is written. The defaults are what a preset that leaves a setting out gets; `stare algos --settings` shows each "
+            "preset's own values.\n\n"
             + markdown_table())
 
 

@@ -45,7 +45,7 @@ def _closed_port() -> int:
     (["--preset", "qwen-7b-short-cot", "--ray-address", "head-without-port"], "is not HOST:PORT"),
     (["--preset", "qwen-7b-short-cot", "--ray-address", f"127.0.0.1:{_closed_port()}"],
      "cannot reach the Ray cluster at '127.0.0.1:"),
-    (["--preset", "tiny-cpu", "--ray-address", "127.0.0.1:6379"], "--ray-address is for GPU presets"),
+    (["--preset", "tiny-cpu", "--ray-address", "127.0.0.1:6379"], "--ray-address 127.0.0.1:6379: the flag is for GPU presets"),
 ])
 def test_bad_input_is_one_line_exit_2_and_starts_nothing(tmp_path, args, message):
     res = stare("train", *args, "--out", "run", cwd=tmp_path)
