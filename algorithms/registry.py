@@ -51,7 +51,7 @@ class AlgoConfig:
     m: float = 0.9
     damp: float = 1.0
     phi_cap: float | None = None
-    phi_tol: float = 0.0  # |A Phi| within this share of the step's mean keeps weight 1 (selection.py; 0: the sign)
+    phi_tol: float = 0.0  # phi selection: the weight ramps across +-phi_tol x the step's mean |A Phi| (0: the sign)
     scope: str = "global"  # global: one selection over the step's batch; micro_batch: the reference's rule
     controller: str = "paper"
     target_entropy: float = 0.3
@@ -174,7 +174,7 @@ ALGORITHMS: dict[str, AlgoConfig] = {
                    stare=True, variant="C2", **_DAPO_BASE),
         AlgoConfig("stare-phi", "This project's variant: exact Phi-sign selection (C2: W 2 / M 0.05), majority "
                    "damping 0.2, band gate 0.30-0.45", stare=True, selection="phi", variant="C2", w=2.0, m=0.05,
-                   damp=0.2,
+                   damp=0.2, phi_tol=0.01,
                    controller="band", band_low=0.3, band_high=0.45, **_DAPO_BASE),
         AlgoConfig("clip-cov", "Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs): drop the "
                    "gradient of a random 2e-4 share of the tokens with log-prob/advantage covariance in (1, 5); "

@@ -15,11 +15,12 @@ Phi > 0 (they lower it), optionally capped to the top ``phi_cap`` share by Phi; 
 entropy-lowering majority (A > 0, Phi < 0). ``direction=-1`` mirrors everything (the ranking key is
 negated) for a two-sided controller that pushes entropy down.
 
-``phi_tol`` keeps a near-zero Phi from deciding by its sign: with x = |A Phi| (the token's share of the
-first-order entropy change) and tau = max(phi_tol * mean x over the step's A != 0 tokens, PHI_TOL_FLOOR), a
-token with x <= tau keeps weight 1, one with x >= 2 tau gets the rule's full weight, and in between the weight
-moves linearly (1 + f (W - 1), f = x / tau - 1). The weights are then a continuous function of Phi, so numbers
-that differ in the last bits give weights that differ in the last bits. ``phi_tol=0`` is the plain sign rule.
+``phi_tol`` (the exact rule) keeps a near-zero Phi from deciding by its sign: with y = |A| Phi and
+tau = max(phi_tol * mean |y| over the step's A != 0 tokens, PHI_TOL_FLOOR), a token counts as entropy-raising
+by r = clamp((y + tau) / (2 tau), 0, 1): weight damp + r (W - damp) for A > 0, 1 + r (M - 1) for A < 0 (C2).
+Beyond +-tau this is the sign rule; at zero it is the mean of the two weights a coin flip of the sign would
+pick. The weights are a continuous function of Phi, so numbers that differ in the last bits give weights that
+differ in the last bits. ``phi_tol=0`` is the plain sign rule.
 
 Selection is a once-per-step operation: it reads counts on the host to size the top-k, which is one small
 synchronisation per step, not per micro-batch. With a torch.distributed ``group`` the thresholds are found
@@ -182,8 +183,8 @@ def stare_token_weights(
       consecutive block of that many sequences (so it depends on the split). ``None`` (default): one
       selection over everything passed in.
     - ``direction``: +1 raises entropy (the paper), -1 mirrors the rule to lower it.
-    - ``phi_tol`` (``selection="phi"`` and ``damp``): tokens whose |A Phi| is within ``phi_tol`` of the step's mean
-      |A Phi| keep weight 1, and the weight ramps to the rule's over the next ``phi_tol`` (module docstring).
+    - ``phi_tol`` (``selection="phi"``): within ``phi_tol`` times the step's mean |A Phi| of zero, the weight moves
+      linearly between the two the sign rule picks from, instead of jumping at Phi = 0 (module docstring).
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be shaped [B, T], got shape {tuple(logprobs.shape)}")
@@ -238,45 +239,56 @@ def stare_token_weights(
     adv = advantages[:, :1] if per_sequence else advantages  # a [B, 1] view broadcasts without a copy
     pos = valid & (adv > 0)
     neg = valid & (adv < 0)
-    reads_phi = selection == "phi" or damp != 1.0
-    signed_phi = phi.detach().to(torch.float32) * direction if reads_phi else None
-    share = _phi_ramp(signed_phi, adv, valid, phi_tol, group) if reads_phi and phi_tol > 0 else None
+    if selection == "phi" and phi_tol > 0:
+        _phi_rule_with_tolerance(weights, phi.detach().to(torch.float32) * direction, adv, valid, pos, neg, w, m,
+                                 damp, variant, phi_cap, phi_tol, group)
+        return weights
     if selection == "quantile":
         l_pos = _top_share(key, pos, top_ratio, group)
         l_neg = _top_share(key, neg, top_ratio, group) if variant == "C2" else None
     else:
-        raising = signed_phi > 0 if share is None else (signed_phi > 0) & (share > 0)
+        signed_phi = phi.detach().to(torch.float32) * direction
+        raising = signed_phi > 0
         l_pos = pos & raising
         l_neg = (neg & raising) if variant == "C2" else None
         if phi_cap is not None:
             l_pos = _top_share(signed_phi, l_pos, phi_cap, group)
             if l_neg is not None:
                 l_neg = _top_share(signed_phi, l_neg, phi_cap, group)
-    phi_share = share if selection == "phi" else None  # the paper's quantile choice does not read Phi
-    _put(weights, l_pos, w, phi_share)
+    weights.masked_fill_(l_pos, w)
     if l_neg is not None:
-        _put(weights, l_neg, m, phi_share)
+        weights.masked_fill_(l_neg, m)
     if damp != 1.0:
-        _put(weights, pos & (signed_phi < 0), damp, share)
+        weights.masked_fill_(pos & (phi.detach().to(torch.float32) * direction < 0), damp)
     return weights
 
 
-def _put(weights: torch.Tensor, where: torch.Tensor, value: float, share: torch.Tensor | None) -> None:
-    """In place on ``where``: ``value`` (``share`` None), or the phi_tol ramp from the weight set so far towards
-    it, cur + share (value - cur)."""
-    if share is None:
-        weights.masked_fill_(where, value)
-    else:
-        weights.copy_(torch.where(where, weights + share * (value - weights), weights))
+def _phi_rule_with_tolerance(weights, signed_phi, adv, valid, pos, neg, w, m, damp, variant, phi_cap, phi_tol,
+                             group) -> None:
+    """The exact rule with ``phi_tol``, in place: a token counts as entropy-raising by the share r of a ramp
+    (``_phi_ramp``: 0 up to Phi |A| = -tau, 1 from +tau, 1/2 at zero), so A > 0 tokens get damp + r (W - damp) and
+    A < 0 tokens (C2) 1 + r (M - 1). A Phi whose sign is noise gets the mean of the two weights the sign rule
+    would pick by a coin flip, deterministically."""
+    share = _phi_ramp(signed_phi, adv, valid, phi_tol, group)
+    l_pos = pos & (share > 0)
+    l_neg = neg & (share > 0) if variant == "C2" else None
+    if phi_cap is not None:
+        l_pos = _top_share(signed_phi, l_pos, phi_cap, group)
+        if l_neg is not None:
+            l_neg = _top_share(signed_phi, l_neg, phi_cap, group)
+    weights.masked_fill_(pos, damp)
+    weights.copy_(torch.where(l_pos, damp + share * (w - damp), weights))
+    if l_neg is not None:
+        weights.copy_(torch.where(l_neg, 1.0 + share * (m - 1.0), weights))
 
 
 def _phi_ramp(signed_phi: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, phi_tol: float, group
               ) -> torch.Tensor:
-    """The phi_tol rule's share f in [0, 1] per token: 0 while |A Phi| <= tau, 1 from 2 tau, linear between;
+    """The phi_tol rule's share r in [0, 1] per token: clamp((|A| Phi + tau) / (2 tau), 0, 1), with
     tau = max(phi_tol * mean |A Phi| over the A != 0 response tokens (all ranks), PHI_TOL_FLOOR)."""
-    x = (adv.to(torch.float32) * signed_phi).abs()
+    y = adv.to(torch.float32).abs() * signed_phi
     counted = valid & (adv != 0)
-    x = torch.where(counted, x, 0.0)
+    x = torch.where(counted, y.abs(), 0.0)
     sums = torch.stack([x.sum(dtype=torch.float64), counted.sum().to(torch.float64)])
     if group is not None:
         import torch.distributed as dist
@@ -284,7 +296,8 @@ def _phi_ramp(signed_phi: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, 
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     mean = sums[0] / sums[1].clamp(min=1.0)
     tau = torch.clamp(phi_tol * mean, min=PHI_TOL_FLOOR).to(torch.float32)
-    return (x / tau - 1.0).clamp(0.0, 1.0)
+    return ((y + tau) / (2 * tau)).clamp(0.0, 1.0)
+
 
 
 

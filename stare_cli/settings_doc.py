@@ -36,8 +36,8 @@ ALGO_SETTING_HELP = {
     "m": "weight on the selected A < 0 tokens (C2), the paper's M",
     "damp": "phi selection: weight on the entropy-lowering A > 0 tokens (1: untouched)",
     "phi_cap": "phi selection: keep only this top share by Phi (null: every token with the right sign)",
-    "phi_tol": "phi selection and damp: a token whose |A Phi| is at most this share of the step's mean keeps weight "
-               "1, and its weight reaches the rule's at twice that (0: the sign of Phi decides alone)",
+    "phi_tol": "phi selection: within this share of the step's mean |A Phi| of zero, a token's weight moves "
+               "linearly between the two the sign of Phi picks from (0: the sign decides alone)",
     "scope": "where the selection is made: global (the step's whole batch) or micro_batch (the reference's rule)",
     "controller": "the entropy gate: paper (on while entropy < target_entropy) or band (proportional, "
                   "band_low..band_high)",
