@@ -17,7 +17,8 @@ from stare.cli.presets import PresetError, parse_preset, resolve
 from stare.cli.rundir import RunDirError, check_run_dir, prepare_run_dir
 
 FAST = ["warmstart_steps=100", "warmstart_noise=0.3", "eval_problems=4", "eval_k=2", "prompts_per_step=4",
-        "samples_per_prompt=4", "train_problems=200", "micro_batch_size=8"]
+        "samples_per_prompt=4", "train_problems=200", "micro_batch_size=8",
+        "seeds=1"]
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
 
 

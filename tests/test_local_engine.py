@@ -17,7 +17,8 @@ from stare.cli.local.tasks import MARKER, TRIGGER, get_task
 
 # small enough for seconds per arm on two cores
 FAST = ["warmstart_steps=100", "warmstart_noise=0.3", "eval_problems=8", "prompts_per_step=4", "samples_per_prompt=4",
-        "train_problems=200", "micro_batch_size=8"]
+        "train_problems=200", "micro_batch_size=8",
+        "seeds=1"]
 
 
 def stare(*args, cwd=None, **kw):
