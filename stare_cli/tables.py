@@ -211,6 +211,11 @@ def seed_tests(arms: list[dict], baseline: str) -> list[dict]:
     return out
 
 
+def _fmt_p(p: float | None) -> str:
+    """A p-value: three decimals, or two significant digits below 0.001 (8 seeds against 8 reach 7.8e-5)."""
+    return "" if p is None else (f"{p:.2g}" if p < 0.001 else f"{p:.3f}")
+
+
 def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
     """The seed table: 95% intervals and permutation p-values against the baseline (blank under two seeds)."""
     if not any(r["n_seeds"] >= 2 for r in rows):
@@ -227,7 +232,8 @@ def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
         for measure, _ in SEED_MEASURES:
             c = r[measure]
             ci = c["ci95"]
-            cells += ["" if ci is None else f"[{_fmt(ci[0])}, {_fmt(ci[1])}]", _fmt(c["p_higher"]), _fmt(c["p_lower"])]
+            cells += ["" if ci is None else f"[{_fmt(ci[0])}, {_fmt(ci[1])}]", _fmt_p(c["p_higher"]),
+                      _fmt_p(c["p_lower"])]
         md.append("| " + " | ".join(cells) + " |")
     return md
 

@@ -178,3 +178,9 @@ def test_seed_table_intervals_and_permutation_tests(tmp_path):
     assert rows["dapo"]["late_entropy"]["p_higher"] is None  # the baseline is not tested against itself
     md = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| stare-phi | 3 |" in md and "p late H > dapo" in md and "0.050" in md
+
+
+def test_seed_table_p_values_below_a_thousandth_keep_their_digits():
+    from stare.cli.tables import _fmt_p
+
+    assert _fmt_p(1 / 12870) == "7.8e-05" and _fmt_p(0.05) == "0.050" and _fmt_p(None) == ""
