@@ -115,9 +115,9 @@ def test_speed_settings_defaults_and_validation():
     assert smol["logits_to_keep"] is True and smol["same_batch_entropy"] is False
     assert resolve("tiny-cpu", "grpo", ["same_batch_entropy=false"])["settings"]["same_batch_entropy"] is False
     for key in ("same_batch_entropy", "logits_to_keep"):
-        with pytest.raises(PresetError, match=rf"--set {key}=maybe: expected bool, got str"):
+        with pytest.raises(PresetError, match=rf"--set {key}=maybe: expected true or false, got str"):
             resolve("tiny-cpu", "grpo", [f"{key}=maybe"])
-        with pytest.raises(PresetError, match=rf"--set {key}=1: expected bool, got int"):
+        with pytest.raises(PresetError, match=rf"--set {key}=1: expected true or false, got int"):
             resolve("smollm-cpu", "grpo", [f"{key}=1"])
 
 
