@@ -12,6 +12,8 @@ KERNELS = ("auto", "torch", "triton", "compiled", "cpp")  # entropy.py: the entr
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # loss.py
 VARIANTS = ("O1", "C2")  # selection.py
 SELECTIONS = ("quantile", "phi")  # selection.py
+# baselines.py, 80-20: the loss over the selected tokens (the 80/20 paper's code) or over all (TRL's)
+MASK_DENOMINATORS = ("all", "selected")
 
 
 def check_range(name: str, value, low=None, high=None, *, low_open=False, high_open=False) -> None:

@@ -32,6 +32,7 @@ import math
 import torch
 
 from ._checks import broadcast_advantages, check_choice, check_finite, check_range, check_same_shape
+from ._plain import MASK_DENOMINATORS
 from .selection import kth_largest, top_count
 
 
@@ -198,7 +199,7 @@ def entropy_top_weights(entropy: torch.Tensor, mask: torch.Tensor, *, top_ratio:
     """
     _check_tokens("entropy", entropy, mask)
     check_range("top_ratio", top_ratio, 0, 1)
-    check_choice("denominator", denominator, ("all", "selected"))
+    check_choice("denominator", denominator, MASK_DENOMINATORS)
     valid = mask.bool()
     check_finite(valid, entropy=entropy)
     values = entropy.detach().to(torch.float32)

@@ -8,16 +8,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 # no torch import on this path (stare algos / presets stay fast): the choices' names live in _plain
-from ._plain import AGGREGATIONS, KERNELS, SELECTIONS, VARIANTS, check_choice, check_range
+from ._plain import AGGREGATIONS, KERNELS, MASK_DENOMINATORS, SELECTIONS, VARIANTS, check_choice, check_range
 from .controllers import BandGate, PaperGate
 
 # The token rules of the entropy baselines (algorithms/baselines.py), computed once per step over the whole batch:
 # none, clip-cov (drop the gradient of a few high-covariance tokens), kl-cov (|log-ratio| penalty on the top
 # covariance tokens, unclipped surrogate), 80-20 (gradient through the top top_ratio tokens by entropy only).
 TOKEN_RULES = ("none", "clip-cov", "kl-cov", "80-20")
-# 80-20's loss denominator: selected (the loss divided by the selected tokens, as the 80/20 paper's code) or all
-# (divided by every response token, as TRL's top_entropy_quantile)
-MASK_DENOMINATORS = ("all", "selected")
 CONTROLLERS = ("paper", "band")
 SCOPES = ("global", "micro_batch")
 # What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
