@@ -356,7 +356,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     md = ["# Comparison", "", header, "",
           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for label, _, n, metrics, p, bench_cells in rows:
-        cells = [label, str(n)] + [_cell(metrics.get(c[0]), n, c[3]) for c in shown] + ([_fmt(p)] if show_p else [])
+        cells = [label, str(n)] + [_cell(metrics.get(c[0]), n, c[3]) for c in shown] + ([_fmt_p(p)] if show_p else [])
         for b in benches:
             cell = bench_cells.get(b)
             cells += [_bench_cell(cell, n), _cell(cell["pass_at_k"], n) if cell else ""]
