@@ -29,6 +29,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .data import Problem
+from .jsonl import read_cut_jsonl
 from .metrics import majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
 from .scoring import extract_boxed, score_many, warn_if_all_empty
 from .summary import core_summary, write_summary
@@ -368,24 +369,8 @@ def _old_record(out: Path) -> dict | None:
 def read_samples(samples_path: Path) -> tuple[list[dict], bool]:
     """The records of ``samples.jsonl`` and whether its last line was cut by a kill (then dropped). A corrupt
     line before the last is ``EvalRefused`` naming the file and line."""
-    lines = samples_path.read_text(errors="replace").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    records, cut = [], False
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or "problem_id" not in rec or "sample_idx" not in rec:
-                raise ValueError("not a sample record")
-        except ValueError as exc:
-            if i == len(lines) - 1:
-                cut = True
-                break
-            raise EvalRefused(f"{samples_path} line {i + 1} is corrupt ({str(exc).splitlines()[0]}), not the last "
-                              "line cut by a kill; it cannot be resumed: use another --out (nothing was changed)") \
-                from None
-        records.append(rec)
-    return records, cut
+    return read_cut_jsonl(samples_path, error=EvalRefused, not_a_record="not a sample record",
+                          is_record=lambda r: isinstance(r, dict) and "problem_id" in r and "sample_idx" in r)
 
 
 def check_resume(out: Path, record: dict) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from stare.eval.jsonl import read_cut_jsonl
+
 from .presets import read_config
 
 FINAL = "final"
@@ -144,25 +146,8 @@ METRICS = "metrics.jsonl"
 def read_jsonl(path: Path, *, what: str = "line") -> tuple[list[dict], bool]:
     """The records of a JSONL file that a kill may have cut: (records, whether the last line was cut and
     dropped). A line that is not JSON anywhere but at the end is ``RunDirError`` naming the file and the line."""
-    lines = Path(path).read_text(errors="replace").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    records, cut = [], False
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            if i == len(lines) - 1:
-                cut = True  # the last line, cut by a kill during its write: dropped, and redone
-                break
-            raise RunDirError(f"{path} line {i + 1} is corrupt ({str(exc).splitlines()[0]}), not the last {what} "
-                              "cut by a kill; it cannot be resumed: use another --out (nothing was changed)") from None
-        records.append(rec)
-    return records, cut
+    return read_cut_jsonl(path, error=RunDirError, is_record=lambda r: isinstance(r, dict),
+                          not_a_record="not a JSON object", what=what, skip_blank=True)
 
 
 def safetensors_problem(path: Path) -> str | None:
