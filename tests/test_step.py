@@ -325,11 +325,11 @@ def test_clip_cov_draws_from_the_given_generator_only():
     assert first.metrics["stare/masked_share"] == pytest.approx(int((first.weights == 0).sum()) / int(mask.sum()))
 
 
-def test_every_telemetry_name_the_readme_lists_is_a_metric():
-    """The README's plugin telemetry list names only keys of METRICS (one list, documented once)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("- Telemetry under `train/stare/`")
-    paragraph = readme[start:readme.index("\n- ", start + 1)]
+def test_every_telemetry_name_the_plugin_docs_list_is_a_metric():
+    """docs/openrlhf-backend.md's plugin telemetry list names only keys of METRICS (one list, documented once)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "openrlhf-backend.md").read_text()
+    start = page.index("- Telemetry under `train/stare/`")
+    paragraph = page[start:page.index("\n- ", start + 1)]
     named = set(re.findall(r"`([a-z_]+)`", paragraph))
     assert {"entropy", "gate_on", "entropy_change", "entropy_change_same_batch"} <= named
     assert {f"stare/{n}" for n in named} <= set(METRIC_NAMES), {f"stare/{n}" for n in named} - set(METRIC_NAMES)
