@@ -11,10 +11,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from ._plain import AGGREGATIONS, KERNELS, MASK_DENOMINATORS, SELECTIONS, VARIANTS, check_choice, check_range
 from .controllers import BandGate, PaperGate
 
-# The token rules of the entropy baselines (algorithms/baselines.py), computed once per step over the whole batch:
-# none, clip-cov (drop the gradient of a few high-covariance tokens), kl-cov (|log-ratio| penalty on the top
-# covariance tokens, unclipped surrogate), 80-20 (gradient through the top top_ratio tokens by entropy only).
-TOKEN_RULES = ("none", "clip-cov", "kl-cov", "80-20")
+# The token rules of the entropy baselines, computed once per step over the whole batch (token_rules.py, the
+# registry: none, clip-cov, kl-cov, 80-20); AlgoConfig.rule is the one a config names.
+from .token_rules import RULES, TOKEN_RULES, TokenRule, get_token_rule
 CONTROLLERS = ("paper", "band")
 SCOPES = ("global", "micro_batch")
 # What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
@@ -98,17 +97,20 @@ class AlgoConfig:
         check_range("phi_tol", self.phi_tol, 0, None)
         check_choice("token_rule", self.token_rule, TOKEN_RULES)
         check_choice("mask_denominator", self.mask_denominator, MASK_DENOMINATORS)
-        if self.mask_denominator != "all" and self.token_rule != "80-20":
-            raise ValueError(f"mask_denominator {self.mask_denominator!r} applies to token_rule 80-20 only "
-                             f"(this algorithm's is {self.token_rule!r}); set mask_denominator to all")
+        rule = self.rule
+        for other in RULES.values():  # a rule's own settings keep their default under any other rule
+            for key in other.exclusive:
+                default = _FIELD_DEFAULTS[key]
+                if other is not rule and getattr(self, key) != default:
+                    raise ValueError(f"{key} {getattr(self, key)!r} applies to token_rule {other.name} only "
+                                     f"(this algorithm's is {self.token_rule!r}); set {key} to {default}")
         check_range("clip_ratio", self.clip_ratio, 0, 1, low_open=True)
         check_range("cov_low", self.cov_low, None, None)
         check_range("cov_high", self.cov_high, self.cov_low, None, low_open=True)
         check_range("k_ratio", self.k_ratio, 0, 1, low_open=True)
         check_range("kl_cov_coef", self.kl_cov_coef, 0, None)
-        if self.token_rule == "80-20":
-            check_range("top_ratio", self.top_ratio, 0, 1, low_open=True)
-        if self.stare and self.token_rule != "none":
+        rule.validate(self)
+        if self.stare and rule.active:
             raise ValueError(f"token_rule {self.token_rule!r} is a baseline's rule and cannot be combined with stare; "
                              "set token_rule to none or stare to false")
         if self.stare:
@@ -135,21 +137,27 @@ class AlgoConfig:
         return self.stare and (self.selection == "phi" or self.damp != 1.0)
 
     @property
+    def rule(self) -> TokenRule:
+        """The token rule ``token_rule`` names (token_rules.py): what it reads, needs and computes."""
+        return get_token_rule(self.token_rule)
+
+    @property
     def unclipped(self) -> bool:
-        """True when the surrogate is -A r for every token (no clip, no dual clip): kl-cov."""
-        return self.token_rule == "kl-cov"
+        """True when the surrogate is -A r for every token (no clip, no dual clip): the token rule's (kl-cov)."""
+        return self.rule.unclipped
 
     @property
     def needs_entropy(self) -> bool:
-        """True when the engine must compute the old policy's per-token entropy: STARE's gate, 80-20's
-        selection, or any telemetry beyond "off"."""
-        return self.stare or self.token_rule == "80-20" or self.telemetry != "off"
+        """True when the engine must compute the old policy's per-token entropy: STARE's gate, a token rule that
+        reads it (80-20's selection), or any telemetry beyond "off"."""
+        return self.stare or self.rule.needs_entropy or self.telemetry != "off"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(AlgoConfig)}
 
 _DAPO_BASE = dict(clip_low=0.2, clip_high=0.28, dual_clip=10.0, agg="token-mean", dynamic_sampling=True)
 # Clip-Cov / KL-Cov as the entropy paper's scripts (verl recipe/entropy, 7B): GRPO advantages, token-mean, group

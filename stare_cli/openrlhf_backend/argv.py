@@ -78,12 +78,6 @@ AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-
              "seq-mean-token-sum-norm": "token-mean"}
 
 
-# The entropy baselines' token rules (stare.algorithms' TOKEN_RULES other than "none") -> the settings the plugin
-# reads for each, printed by the dry run under "stare".
-RULE_SETTINGS = {"clip-cov": ("clip_ratio", "cov_low", "cov_high"), "kl-cov": ("k_ratio", "kl_cov_coef"),
-                 "80-20": ("top_ratio",)}
-
-
 class SettingsError(ValueError):
     """A preset's settings do not fit the schema (the CLI exits with code 2)."""
 
@@ -269,8 +263,8 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     flag("actor.max_norm", s["grad_clip"])
     # the algorithm
     flag("algo.advantage.estimator", "group_norm" if algo["std_norm"] else "dr_grpo")
-    rule = algo.get("token_rule", "none")
-    if AlgoConfig(**algo).unclipped:
+    rule = AlgoConfig(**algo).rule  # the entropy baseline's token rule ("none" for the others)
+    if rule.unclipped:
         # KL-Cov's surrogate is -A r for every token: OpenRLHF's clip range made infinite (its clamp is then the
         # identity) and no dual clip; the plugin sets the same on the loss it wraps
         flag("actor.eps_clip_low_high", float("inf"), float("inf"))
@@ -331,8 +325,9 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
                                       "scope", "controller", "target_entropy", "adaptive", "alpha", "w_max",
                                       "m_min", "band_low", "band_high", "band_target", "gain", "two_sided",
                                       "telemetry")}
-    elif rule != "none":  # an entropy baseline: the plugin applies its token rule once per step
-        stare = {k: algo[k] for k in ("name", "token_rule", *RULE_SETTINGS[rule], "telemetry")}
+    elif rule.active:  # an entropy baseline: the plugin applies its token rule once per step (the dry run prints
+        # the settings the rule reads)
+        stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
