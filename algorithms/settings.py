@@ -28,7 +28,7 @@ from ._plain import (
     check_choice,
     check_range,
 )
-from .token_rules import TOKEN_RULES
+from .token_rules import RULES, TOKEN_RULES
 
 REQUIRED = ...  # the default of a setting every preset must give (the GPU presets' model, data, ...)
 _KINDS = {int: "integer", float: "number", bool: "true or false", str: "text"}
@@ -166,8 +166,7 @@ ALGO_SETTINGS: tuple[Setting, ...] = (
             low=0),
     Setting("dual_clip", float, None, "dual clip: an A < 0 token's loss is capped at dual_clip x |A| (null: off)",
             low=1, low_open=True, nullable=True),
-    Setting("agg", str, "token-mean", "how token losses become one loss: token-mean, seq-mean-token-mean, "
-            "seq-mean-token-sum-norm", choices=AGGREGATIONS, label="aggregation"),
+    Setting("agg", str, "token-mean", "how token losses become one loss", choices=AGGREGATIONS, label="aggregation"),
     # DAPO's reward-side settings
     Setting("dynamic_sampling", bool, False, "drop prompts whose samples all got the same reward and sample more "
             "(DAPO)"),
@@ -226,8 +225,9 @@ ALGO_SETTINGS: tuple[Setting, ...] = (
             "process) or cpp (a C++ loop for the CPU, about 3.5x torch there; built once per machine with its C++ "
             "compiler)", choices=KERNELS),
     # the entropy baselines' token rules (token_rules.py)
-    Setting("token_rule", str, "none", "an entropy baseline's token rule, once per step over the whole batch: none, "
-            "clip-cov, kl-cov or 80-20 (80-20 keeps the top top_ratio tokens by entropy)", choices=TOKEN_RULES),
+    Setting("token_rule", str, "none", "an entropy baseline's token rule, once per step over the whole batch (none: "
+            "no rule); " + "; ".join(f"{r.name} reads {', '.join(dict.fromkeys(r.settings + r.exclusive))}"
+                                     for r in RULES.values() if r.active), choices=TOKEN_RULES),
     Setting("clip_ratio", float, 2e-4, "clip-cov: share of the response tokens whose gradient is dropped (random "
             "among the candidates)", low=0, high=1, low_open=True),
     Setting("cov_low", float, 1.0, "clip-cov: candidates have a log-prob/advantage covariance above this"),

@@ -48,9 +48,9 @@ def algo_settings_table() -> Table:
     table = Table(title="algorithm settings (--set key=value; default per algorithm)")
     table.add_column("setting", style="bold cyan", no_wrap=True)
     table.add_column("default")
-    table.add_column("meaning")
+    table.add_column("meaning; valid values")
     for s in ALGO_SETTINGS:
-        table.add_row(s.name, escape(_algo_defaults(s)), escape(s.help))
+        table.add_row(s.name, escape(_algo_defaults(s)), escape(f"{s.help}; valid: {s.valid()}"))
     return table
 
 
@@ -81,9 +81,10 @@ def gpu_run_settings_table() -> Table:
                         "sets it)")
     table.add_column("setting", style="bold cyan", no_wrap=True)
     table.add_column("default")
-    table.add_column("meaning")
+    table.add_column("meaning; valid values")
     for s in GPU_SETTINGS:
-        table.add_row(s.name, escape(f"{_default_text(s, _fmt)} ({s.type.__name__})"), escape(s.help))
+        table.add_row(s.name, escape(f"{_default_text(s, _fmt)} ({s.type.__name__})"),
+                      escape(f"{s.help}; valid: {s.valid()}"))
     return table
 
 
