@@ -226,8 +226,8 @@ ALGO_SETTINGS: tuple[Setting, ...] = (
             "compiler)", choices=KERNELS),
     # the entropy baselines' token rules (token_rules.py)
     Setting("token_rule", str, "none", "an entropy baseline's token rule, once per step over the whole batch (none: "
-            "no rule); " + "; ".join(f"{r.name} reads {', '.join(dict.fromkeys(r.settings + r.exclusive))}"
-                                     for r in RULES.values() if r.active), choices=TOKEN_RULES),
+            "no rule); " + "; ".join(f"{r.name} reads {', '.join(r.settings)}" for r in RULES.values()
+                                     if r.active), choices=TOKEN_RULES),
     Setting("clip_ratio", float, 2e-4, "clip-cov: share of the response tokens whose gradient is dropped (random "
             "among the candidates)", low=0, high=1, low_open=True),
     Setting("cov_low", float, 1.0, "clip-cov: candidates have a log-prob/advantage covariance above this"),

@@ -4,7 +4,8 @@
 everything that depends on the rule asks the object, never the name:
 
 - ``settings``: the AlgoConfig fields it reads (the GPU dry run prints them under "stare");
-- ``exclusive``: settings that mean something to this rule only: with any other rule they must keep their default;
+- ``exclusive``: of those, the ones that mean something to this rule only: with any other rule they must keep their
+  default;
 - ``needs_entropy``: it reads the old policy's per-token entropy, so the engines compute it whatever the telemetry;
 - ``unclipped``: its surrogate is -A r for every token (no clip, no dual clip);
 - ``random``: it draws random numbers, from a generator the engine keeps for it alone;
@@ -90,7 +91,7 @@ class TopEntropy(TokenRule):
 
     name = "80-20"
     active = True
-    settings = ("top_ratio",)
+    settings = ("top_ratio", "mask_denominator")
     exclusive = ("mask_denominator",)
     needs_entropy = True
 

@@ -131,7 +131,7 @@ def test_token_rules_are_a_registry_that_everything_asks():
     assert tuple(RULES) == TOKEN_RULES
     for name, rule in RULES.items():
         assert rule.name == name and get_token_rule(name) is rule
-        assert set(rule.settings) | set(rule.exclusive) <= set(SETTING_NAMES), name
+        assert set(rule.exclusive) <= set(rule.settings) <= set(SETTING_NAMES), name
         assert rule.active == (name != "none")
     assert [n for n, r in RULES.items() if r.unclipped] == ["kl-cov"]
     assert [n for n, r in RULES.items() if r.random] == ["clip-cov"]
