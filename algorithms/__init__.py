@@ -9,6 +9,7 @@ lists the telemetry names with their meanings. See docs/algorithm.md for the mat
 # is still importable from stare.algorithms exactly as before.
 from .controllers import BandGate, ControllerState, PaperGate
 from .registry import ALGORITHMS, SETTING_NAMES, TOKEN_RULES, AlgoConfig, get_algorithm
+from .token_rules import TokenRule, get_token_rule
 
 _LAZY = {
     "_checks": ("check_finite",),
@@ -42,10 +43,10 @@ def __dir__():
 
 __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "LEGACY_NAMES", "METRICS", "METRIC_NAMES", "SETTING_NAMES", "TOKEN_RULES",
-    "AlgoConfig", "BandGate", "ControllerState", "EntropyStats", "PaperGate", "StepMemory", "StepResult",
+    "AlgoConfig", "BandGate", "ControllerState", "EntropyStats", "PaperGate", "StepMemory", "StepResult", "TokenRule",
     "batch_mean", "check_finite", "clip_cov_seed", "clip_cov_weights", "entropy_forecast_sums", "entropy_sensitivity",
-    "entropy_top_weights", "floor_count", "get_algorithm", "group_advantages", "informative_groups", "kl_cov_coefs",
-    "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss", "predicted_entropy_change",
-    "quadrant_stats", "quadrant_sums", "reweight_stats", "reweight_sums", "stare_step", "stare_token_weights",
-    "token_covariance", "top_count", "upgrade_metric_names",
+    "entropy_top_weights", "floor_count", "get_algorithm", "get_token_rule", "group_advantages", "informative_groups",
+    "kl_cov_coefs", "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss",
+    "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "reweight_stats", "reweight_sums", "stare_step",
+    "stare_token_weights", "token_covariance", "top_count", "upgrade_metric_names",
 ]

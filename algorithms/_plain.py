@@ -14,6 +14,12 @@ VARIANTS = ("O1", "C2")  # selection.py
 SELECTIONS = ("quantile", "phi")  # selection.py
 # baselines.py, 80-20: the loss over the selected tokens (the 80/20 paper's code) or over all (TRL's)
 MASK_DENOMINATORS = ("all", "selected")
+CONTROLLERS = ("paper", "band")  # controllers.py: PaperGate, BandGate
+SCOPES = ("global", "micro_batch")  # step.py: where STARE's selection is made
+# What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
+# no Phi unless the selection needs it), off (nothing beyond what the algorithm needs: a baseline computes no
+# statistics at all, STARE still the gate's entropy).
+TELEMETRY = ("full", "entropy", "off")
 
 
 def check_range(name: str, value, low=None, high=None, *, low_open=False, high_open=False) -> None:

@@ -1,41 +1,38 @@
 """Named algorithms: what a user types after ``--algo``, mapped to a full set of settings.
 
 Every setting can be overridden (``get_algorithm("stare", w=1.5)``); ``AlgoConfig.validate`` checks the
-result. Engines read an ``AlgoConfig`` and nothing else about the algorithm.
+result against the settings' table (``settings.ALGO_SETTINGS``) and the rules between settings. Engines read an
+``AlgoConfig`` and nothing else about the algorithm; ``AlgoConfig.rule`` is its token rule (``token_rules.py``).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
 # no torch import on this path (stare algos / presets stay fast): the choices' names live in _plain
-from ._plain import AGGREGATIONS, KERNELS, MASK_DENOMINATORS, SELECTIONS, VARIANTS, check_choice, check_range
+from ._plain import CONTROLLERS, SCOPES, TELEMETRY, check_range  # noqa: F401 (CONTROLLERS, ...: their old home)
 from .controllers import BandGate, PaperGate
+from .settings import ALGO_SCHEMA, ALGO_SETTINGS
 
-# The token rules of the entropy baselines (algorithms/baselines.py), computed once per step over the whole batch:
-# none, clip-cov (drop the gradient of a few high-covariance tokens), kl-cov (|log-ratio| penalty on the top
-# covariance tokens, unclipped surrogate), 80-20 (gradient through the top top_ratio tokens by entropy only).
-TOKEN_RULES = ("none", "clip-cov", "kl-cov", "80-20")
-CONTROLLERS = ("paper", "band")
-SCOPES = ("global", "micro_batch")
-# What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,
-# no Phi unless the selection needs it), off (nothing beyond what the algorithm needs: a baseline computes no
-# statistics at all, STARE still the gate's entropy).
-TELEMETRY = ("full", "entropy", "off")
+# The token rules of the entropy baselines, computed once per step over the whole batch (token_rules.py, the
+# registry: none, clip-cov, kl-cov, 80-20); AlgoConfig.rule is the one a config names.
+from .token_rules import RULES, TOKEN_RULES, TokenRule, get_token_rule  # noqa: F401 (TOKEN_RULES: its old home)
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
+    """One algorithm's settings. Each field but name and description has its row in ``settings.ALGO_SETTINGS``
+    (same order, type and default; a test keeps them equal): its valid values and meaning are there."""
     name: str
     description: str = ""
     # advantages and loss
-    std_norm: bool = True  # False: Dr.GRPO advantages
+    std_norm: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
     agg: str = "token-mean"
     # DAPO reward-side settings
     dynamic_sampling: bool = False
-    max_gen_rounds: int = 10  # dynamic sampling: generation rounds per step before giving up
+    max_gen_rounds: int = 10
     overlong_shaping: bool = False
     overlong_buffer_len: int = 4096
     overlong_penalty: float = 1.0
@@ -48,8 +45,8 @@ class AlgoConfig:
     m: float = 0.9
     damp: float = 1.0
     phi_cap: float | None = None
-    phi_tol: float = 0.0  # phi selection: the weight ramps across +-phi_tol x the step's mean |A Phi| (0: the sign)
-    scope: str = "global"  # global: one selection over the step's batch; micro_batch: the reference's rule
+    phi_tol: float = 0.0
+    scope: str = "global"
     controller: str = "paper"
     target_entropy: float = 0.3
     adaptive: bool = False
@@ -61,54 +58,33 @@ class AlgoConfig:
     band_target: float | None = None
     gain: float = 1.0
     two_sided: bool = False
-    telemetry: str = "full"  # one of TELEMETRY (baselines too)
-    # which entropy_sensitivity kernel computes the per-token statistics (entropy.KERNELS): auto picks the fused
-    # Triton kernel on CUDA and the eager torch one elsewhere; compiled fuses them with torch.compile (any device);
-    # cpp is a C++ loop for the CPU built with the machine's compiler
+    # every algorithm
+    telemetry: str = "full"
     stats_kernel: str = "auto"
-    # the entropy baselines' token rule (one of TOKEN_RULES; 80-20 reuses top_ratio)
+    # the entropy baselines' token rule (token_rules.py) and the settings the rules read (80-20 reuses top_ratio)
     token_rule: str = "none"
-    clip_ratio: float = 2e-4  # clip-cov: share of the response tokens whose gradient is dropped
-    cov_low: float = 1.0  # clip-cov: candidates have covariance strictly inside (cov_low, cov_high)
+    clip_ratio: float = 2e-4
+    cov_low: float = 1.0
     cov_high: float = 5.0
-    k_ratio: float = 2e-3  # kl-cov: share of the response tokens that get the |log-ratio| penalty
-    # kl-cov: the penalty's coefficient (not "kl_coef": that is the GPU presets' reference-KL run setting)
+    k_ratio: float = 2e-3
     kl_cov_coef: float = 1.0
-    mask_denominator: str = "all"  # 80-20: one of MASK_DENOMINATORS
+    mask_denominator: str = "all"
 
     def validate(self) -> "AlgoConfig":
-        check_range("clip_low", self.clip_low, 0, 1)  # 1: no clip below (the ratio is > 0)
-        check_range("clip_high", self.clip_high, 0, None)
-        if self.dual_clip is not None:
-            check_range("dual_clip", self.dual_clip, 1, None, low_open=True)
-        check_choice("aggregation", self.agg, AGGREGATIONS)
-        check_range("max_gen_rounds", self.max_gen_rounds, 1, None)
-        check_range("overlong_buffer_len", self.overlong_buffer_len, 0, None)
-        check_range("overlong_penalty", self.overlong_penalty, 0, None)
-        check_choice("selection", self.selection, SELECTIONS)
-        check_choice("variant", self.variant, VARIANTS)
-        check_choice("scope", self.scope, SCOPES)
-        check_choice("controller", self.controller, CONTROLLERS)
-        check_choice("telemetry", self.telemetry, TELEMETRY)
-        check_choice("stats_kernel", self.stats_kernel, KERNELS)
-        check_range("top_ratio", self.top_ratio, 0, 1)
-        check_range("damp", self.damp, 0, None, low_open=True)
-        if self.phi_cap is not None:
-            check_range("phi_cap", self.phi_cap, 0, 1)
-        check_range("phi_tol", self.phi_tol, 0, None)
-        check_choice("token_rule", self.token_rule, TOKEN_RULES)
-        check_choice("mask_denominator", self.mask_denominator, MASK_DENOMINATORS)
-        if self.mask_denominator != "all" and self.token_rule != "80-20":
-            raise ValueError(f"mask_denominator {self.mask_denominator!r} applies to token_rule 80-20 only "
-                             f"(this algorithm's is {self.token_rule!r}); set mask_denominator to all")
-        check_range("clip_ratio", self.clip_ratio, 0, 1, low_open=True)
-        check_range("cov_low", self.cov_low, None, None)
-        check_range("cov_high", self.cov_high, self.cov_low, None, low_open=True)
-        check_range("k_ratio", self.k_ratio, 0, 1, low_open=True)
-        check_range("kl_cov_coef", self.kl_cov_coef, 0, None)
-        if self.token_rule == "80-20":
-            check_range("top_ratio", self.top_ratio, 0, 1, low_open=True)
-        if self.stare and self.token_rule != "none":
+        """Every setting against its row of ``settings.ALGO_SETTINGS`` (type, range, choices), then the rules between
+        settings; returns self, or raises ValueError naming the setting, the value and what is valid."""
+        for setting in ALGO_SETTINGS:
+            setting.require(getattr(self, setting.name))
+        rule = self.rule
+        for other in RULES.values():  # a rule's own settings keep their default under any other rule
+            for key in other.exclusive:
+                default = ALGO_SCHEMA[key].default
+                if other is not rule and getattr(self, key) != default:
+                    raise ValueError(f"{key} {getattr(self, key)!r} applies to token_rule {other.name} only "
+                                     f"(this algorithm's is {self.token_rule!r}); set {key} to {default}")
+        check_range("cov_high", self.cov_high, self.cov_low, None, low_open=True)  # Clip-Cov's band is not empty
+        rule.validate(self)
+        if self.stare and rule.active:
             raise ValueError(f"token_rule {self.token_rule!r} is a baseline's rule and cannot be combined with stare; "
                              "set token_rule to none or stare to false")
         if self.stare:
@@ -135,15 +111,20 @@ class AlgoConfig:
         return self.stare and (self.selection == "phi" or self.damp != 1.0)
 
     @property
+    def rule(self) -> TokenRule:
+        """The token rule ``token_rule`` names (token_rules.py): what it reads, needs and computes."""
+        return get_token_rule(self.token_rule)
+
+    @property
     def unclipped(self) -> bool:
-        """True when the surrogate is -A r for every token (no clip, no dual clip): kl-cov."""
-        return self.token_rule == "kl-cov"
+        """True when the surrogate is -A r for every token (no clip, no dual clip): the token rule's (kl-cov)."""
+        return self.rule.unclipped
 
     @property
     def needs_entropy(self) -> bool:
-        """True when the engine must compute the old policy's per-token entropy: STARE's gate, 80-20's
-        selection, or any telemetry beyond "off"."""
-        return self.stare or self.token_rule == "80-20" or self.telemetry != "off"
+        """True when the engine must compute the old policy's per-token entropy: STARE's gate, a token rule that
+        reads it (80-20's selection), or any telemetry beyond "off"."""
+        return self.stare or self.rule.needs_entropy or self.telemetry != "off"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,9 +12,9 @@ call it, so the two log the same numbers under the same names. In order:
 3. the weights (gate on only): ``stare_token_weights`` once over the whole step's batch, exact across ranks
    (``scope="global"``), or separately inside each micro-batch the engine will train on (``scope="micro_batch"``,
    the reference implementation's rule; the engine passes its micro-batches, or selects inside them later);
-   for an entropy baseline (``cfg.token_rule`` clip-cov, kl-cov, 80-20; ``baselines.py``) its token rule instead,
-   always once over the whole step's batch and whatever the telemetry setting: a 0/1 weight mask (clip-cov,
-   80-20) or per-token penalty coefficients (kl-cov);
+   for an entropy baseline (``cfg.rule``, the token rule ``cfg.token_rule`` names: clip-cov, kl-cov, 80-20;
+   ``token_rules.py``) its rule instead, always once over the whole step's batch and whatever the telemetry
+   setting: a 0/1 weight mask (clip-cov, 80-20) or per-token penalty coefficients (kl-cov);
 4. the weight-dependent telemetry (one more all-reduce and host read, only when there are weights or a penalty);
 5. the measured change of the batch entropy since the previous step, beside what that step forecast
    (``StepMemory`` carries the previous step's two numbers).
@@ -39,7 +39,6 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ._checks import broadcast_advantages, check_same_shape
-from .baselines import clip_cov_weights, entropy_top_weights, kl_cov_coefs
 from .controllers import ControllerState
 from .entropy import EntropyStats, entropy_forecast_sums, quadrant_sums
 from .registry import AlgoConfig
@@ -230,9 +229,10 @@ def stare_step(
       the weights are None and the engine selects inside its micro-batches later (the OpenRLHF plugin, whose
       micro-batches are drawn after this call); the weight-dependent telemetry is then absent. Ignored with
       ``scope == "global"``.
-    - ``generator``: clip-cov's random keys come from it (the engine's own generator, touched by nothing else;
-      None: torch's global generator). No other algorithm draws random numbers here.
-    - ``cfg.token_rule`` (clip-cov, kl-cov, 80-20): the rule runs once over the whole step's batch (``scope`` is
+    - ``generator``: a token rule that draws random numbers (``cfg.rule.random``: clip-cov's keys) draws from it
+      (the engine's own generator, touched by nothing else; None: torch's global generator). No other algorithm
+      draws random numbers here.
+    - ``cfg.rule`` (clip-cov, kl-cov, 80-20): the token rule runs once over the whole step's batch (``scope`` is
       ignored), exact across ``group``'s ranks, whatever ``cfg.telemetry`` says. ``stats.entropy`` may be None
       when ``cfg.needs_entropy`` is False (clip-cov / kl-cov with telemetry off); the step then logs
       ``stare/tokens`` only.
@@ -270,11 +270,12 @@ def stare_step(
 
     # 1. batch entropy and the weight-independent telemetry: one all-reduce, one host read
     m = mask.to(torch.float32)
+    rule = cfg.rule
     if stats.entropy is None:  # a token-rule baseline with telemetry off: the token count only
         pairs = {P + "tokens": (m.sum(), m.sum())}
         _, counts = _reduce(pairs, group)
-        result = _token_rule(cfg, logprobs, advantages, mask, stats, group, generator)
-        return StepResult(result[0], {P + "tokens": counts[P + "tokens"]}, None, memory, result[1])
+        weights, penalty = rule.apply(cfg, logprobs, advantages, mask, None, group=group, generator=generator)
+        return StepResult(weights, {P + "tokens": counts[P + "tokens"]}, None, memory, penalty)
     pairs = {P + "entropy": ((stats.entropy.to(torch.float32) * m).sum(), m.sum())}
     if full:
         pairs[P + "entropy_forecast_base"] = entropy_forecast_sums(stats.phi, adv, mask)
@@ -297,8 +298,9 @@ def stare_step(
     # 3. the weights (gate on, some tokens anywhere: every rank takes the same branch)
     weights = penalty = None
     deferred = False
-    if cfg.token_rule != "none":
-        weights, penalty = _token_rule(cfg, logprobs, advantages, mask, stats, group, generator)
+    if rule.active:
+        weights, penalty = rule.apply(cfg, logprobs, advantages, mask, stats.entropy, group=group,
+                                      generator=generator)
     elif state is not None and state.gate_on and n_tokens > 0:
         kwargs = {**cfg.selection_kwargs(), **state.weight_kwargs()}
         if cfg.scope == "global":
@@ -324,7 +326,7 @@ def stare_step(
         lowered = torch.zeros_like(valid)
         if weights is not None:
             # a baseline's shares count its 0/1 choice, whatever weight its kept tokens carry (80-20's N / S)
-            marks = torch.where(weights != 0, 1.0, 0.0) if cfg.token_rule != "none" else weights
+            marks = torch.where(weights != 0, 1.0, 0.0) if rule.active else weights
             sums = reweight_sums(marks, adv, mask)
             if marks is not weights:
                 sums["mean_weight"] = reweight_sums(weights, adv, mask)["mean_weight"]
@@ -356,14 +358,3 @@ def stare_step(
     metrics.update(memory.change_metrics(entropy))
     return StepResult(weights, metrics, state, StepMemory(entropy, metrics.get(P + "entropy_forecast")), penalty)
 
-
-def _token_rule(cfg: AlgoConfig, logprobs, advantages, mask, stats: EntropyStats, group, generator
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weights, penalty) of ``cfg.token_rule`` over the whole step's batch (baselines.py)."""
-    if cfg.token_rule == "clip-cov":
-        return clip_cov_weights(logprobs, advantages, mask, clip_ratio=cfg.clip_ratio, cov_low=cfg.cov_low,
-                                cov_high=cfg.cov_high, generator=generator, group=group), None
-    if cfg.token_rule == "kl-cov":
-        return None, kl_cov_coefs(logprobs, advantages, mask, k_ratio=cfg.k_ratio, kl_coef=cfg.kl_cov_coef, group=group)
-    return entropy_top_weights(stats.entropy, mask, top_ratio=cfg.top_ratio, group=group,
-                               denominator=cfg.mask_denominator), None

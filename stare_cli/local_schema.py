@@ -1,81 +1,24 @@
 """The typed schema of the local presets' ``settings:`` (tiny-cpu, tiny-explore, smollm-cpu): one table.
 
-``LOCAL_SETTINGS`` below is the one list of every setting a local preset may hold: name, type, default, the valid
-range or choices, and a one-line meaning. ``check_local_settings`` checks a preset's settings against it when the
-preset is loaded, and again after ``--set`` (so ``stare train --dry-run`` refuses what training would refuse);
-``stare algos --settings`` and docs/local-settings.md render from it (``settings_doc``). A new setting is one
-more row here (and a value in the presets that want another than the default).
+``LOCAL_SETTINGS`` below is the one list of every setting a local preset may hold, a row each
+(``stare.algorithms.settings.Setting``, the row the algorithm and GPU tables use too): name, type, default, the
+valid range or choices, and a one-line meaning. ``check_local_settings`` checks a preset's settings against it
+when the preset is loaded, and again after ``--set`` (so ``stare train --dry-run`` refuses what training would
+refuse; ``Setting.parse`` reads the ``--set`` text); ``stare algos --settings``, docs/local-settings.md and
+docs/settings.md render from it (``settings_doc``). A new setting is one more row here (and a value in the
+presets that want another than the default).
 
 No torch import here: ``stare presets`` and ``stare algos`` read this module, and they must stay fast.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from stare.algorithms.settings import Setting, schema
 
 DEVICES = ("auto", "cpu", "cuda")  # local/device.py resolves them; the names live here (no torch import)
 TASKS = ("reverse", "explore", "arith")  # local/tasks.py TASKS (a test keeps the two equal)
 MODELS = ("tiny", "smollm2-135m")  # local/models.py initial_policy
 TINY_HEADS = 4  # local/policy.py build_tiny_model: attention heads of the tiny model (hidden must divide by it)
 MAX_SEED = 2**32 - 1
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One local setting. ``low``/``high`` bound numbers (``low_open``: the bound itself is not valid);
-    ``choices`` lists the valid values; ``check`` is a custom rule (returns why a value is bad, or None)."""
-    name: str
-    type: type
-    default: Any
-    help: str
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    choices: tuple | None = None
-    check: Callable[[Any], str | None] | None = None
-    valid_text: str | None = None  # how the valid values read when neither a range nor choices says it
-
-    def valid(self) -> str:
-        """The valid values, in words: 'integer >= 1', 'number in (0, 2]', 'one of: cpu, cuda'."""
-        if self.choices is not None:
-            return "one of: " + ", ".join(map(str, self.choices))
-        if self.valid_text:
-            return self.valid_text
-        kind = {int: "integer", float: "number", bool: "true or false", str: "text"}[self.type]
-        if self.low is not None and self.high is not None:
-            return f"{kind} in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
-        if self.low is not None:
-            return f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
-        return kind
-
-    def problem(self, value) -> str | None:
-        """Why ``value`` is not valid for this setting (type, range, choices), or None."""
-        if self.type is bool:
-            ok = isinstance(value, bool)
-        elif self.type is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif self.type is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, self.type)
-        if not ok:
-            got = "nothing" if value is None else f"{type(value).__name__} {value!r}"
-            return f"expected {self.valid()}, got {got}"
-        if self.type is float and not math.isfinite(value):
-            return f"expected a finite {self.valid()}, got {value!r}"
-        if self.choices is not None and value not in self.choices:
-            return f"unknown value {value!r}; valid choices: {', '.join(map(str, self.choices))}"
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low) or \
-                self.high is not None and value > self.high:
-            return f"expected {self.valid()}, got {value!r}"
-        if self.check is not None:
-            return self.check(value)
-        return None
-
-
-def _num(x) -> str:
-    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def _check_algos(value: str) -> str | None:
@@ -135,7 +78,7 @@ LOCAL_SETTINGS: list[Setting] = [
     Setting("warmstart_noise", float, 0.8, "tiny model: chance that a warm-start demonstration has one wrong "
             "character", low=0.0, high=1.0),
 ]
-SCHEMA: dict[str, Setting] = {s.name: s for s in LOCAL_SETTINGS}
+SCHEMA: dict[str, Setting] = schema(LOCAL_SETTINGS)
 
 
 class LocalSettingsError(ValueError):
@@ -166,42 +109,7 @@ def check_local_settings(settings: dict, where: str, *, given: dict[str, str] | 
     return out
 
 
-def parse_value(key: str, raw: str):
-    """The value of ``--set key=raw`` for a local setting: a YAML scalar (text for a text setting; "1e-6" is a
-    number for a number setting). Not checked here: ``check_local_settings`` says what is wrong with it."""
-    import yaml
-
-    setting = SCHEMA[key]
-    if setting.type is str:
-        return raw
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        return raw
-    if setting.type is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
 def _name(key: str, value, given: dict[str, str] | None) -> str:
     if given is not None and key in given:
         return f"--set {key}={given[key]}"
     return f"setting {key}"
-
-
-def _yaml_text(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def markdown_table() -> str:
-    """docs/local-settings.md's table: every local setting, its type, default, valid values and meaning."""
-    rows = ["| setting | type | default | valid | meaning |", "|---|---|---|---|---|"]
-    for s in LOCAL_SETTINGS:
-        default = _yaml_text(s.default)
-        rows.append(f"| `{s.name}` | {s.type.__name__} | `{default}` | {s.valid()} | {s.help} |")
-    return "\n".join(rows) + "\n"

@@ -6,25 +6,26 @@ A preset file holds:
     description: <one line>
     backend: local | openrlhf
     settings: {key: value, ...}          # the run's settings; each can be overridden with --set key=value
-                                         # (typed schemas: local presets local_schema.py, openrlhf presets
-                                         # openrlhf_backend/argv.py; both checked on load and after --set)
+                                         # (typed tables: local presets local_schema.py, openrlhf presets
+                                         # gpu_schema.py; both checked on load and after --set)
     algorithms: {algo: {setting: value}} # per-algorithm overrides on top of the registry
 
-``--set`` accepts a preset setting or an algorithm setting (``stare algos --settings`` lists those). Values
-are parsed as YAML scalars and must have the type of the value they replace.
+``--set`` accepts a preset setting or an algorithm setting (``stare algos --settings`` lists those). Each value
+is read by its setting's row (``Setting.parse``: a YAML scalar of the setting's type) and checked against it.
 """
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from stare.algorithms import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
+from stare.algorithms import ALGORITHMS, SETTING_NAMES, get_algorithm
+from stare.algorithms.settings import ALGO_SCHEMA, Setting
 
-from .local_schema import LocalSettingsError, check_local_settings, parse_value as local_value
+from .gpu_schema import SCHEMA as GPU_SCHEMA
+from .local_schema import SCHEMA as LOCAL_SCHEMA, LocalSettingsError, check_local_settings
 
 BACKENDS = ("local", "openrlhf")
 REQUIRED = {"name": str, "description": str, "backend": str, "settings": dict}
@@ -124,42 +125,16 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
     return Preset(data["name"], data["description"], data["backend"], settings, dict(algos))
 
 
-def _algo_field_types() -> dict[str, str]:
-    hints = typing.get_type_hints(AlgoConfig)
-    return {f.name: str(hints[f.name]) for f in fields(AlgoConfig)}
+_TYPE_NAMES = {bool: "bool", int: "int", float: "int or float", str: "str"}
 
 
-def _coerce(key: str, raw: str, current, annotation: str | None):
-    """Parse ``raw`` as a YAML scalar and check it against the type of ``current`` (or the annotation)."""
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    want: tuple[type, ...]
-    if isinstance(current, bool) or (annotation and annotation == "<class 'bool'>"):
-        want = (bool,)
-    elif isinstance(current, int) or (annotation and "int" in annotation and "float" not in annotation):
-        want = (int,)
-    elif isinstance(current, float) or (annotation and "float" in annotation):
-        want = (int, float)
-    elif isinstance(current, str) or (annotation and "str" in annotation):
-        want = (str,)
-        if not isinstance(value, str):
-            value = raw  # "--set model=123" means the string 123
-    else:
+def _coerce(key: str, raw: str, setting: Setting):
+    """``--set key=raw`` read by the setting's row and checked for its type (its range: by the table's checks)."""
+    value = setting.parse(raw)
+    if value is None and setting.nullable or setting.has_type(value):
         return value
-    nullable = annotation is not None and "None" in annotation
-    if isinstance(value, str) and float in want:
-        try:  # PyYAML reads "1e-6" (no dot) as a string
-            value = float(value)
-        except ValueError:
-            pass
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) and bool not in want or not isinstance(value, want):
-        names = " or ".join(t.__name__ for t in want) + (" or null" if nullable else "")
-        raise PresetError(f"--set {key}={raw}: expected {names}, got {type(value).__name__}")
-    return float(value) if float in want and not isinstance(value, bool) else value
+    names = _TYPE_NAMES[setting.type] + (" or null" if setting.nullable else "")
+    raise PresetError(f"--set {key}={raw}: expected {names}, got {type(value).__name__}")
 
 
 def parse_sets(items: list[str]) -> list[tuple[str, str]]:
@@ -179,19 +154,16 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
         raise PresetError(f"unknown algorithm {algo!r}; valid algorithms: {', '.join(ALGORITHMS)}")
     settings = dict(preset.settings)
     algo_over = dict(preset.algorithms.get(algo, {}))
-    base = ALGORITHMS[algo]
-    annotations = _algo_field_types()
     given: dict[str, str] = {}  # the run settings set here, with the text given (for the messages)
     for key, raw in parse_sets(sets or []):
         if key in settings:
             given[key] = raw
             if preset.backend == "local":  # checked below, with the schema's words for what is valid
-                settings[key] = local_value(key, raw)
+                settings[key] = LOCAL_SCHEMA[key].parse(raw)
             else:
-                settings[key] = _coerce(key, raw, settings[key], None)
+                settings[key] = _coerce(key, raw, GPU_SCHEMA[key])
         elif key in SETTING_NAMES:
-            current = algo_over.get(key, getattr(base, key))
-            algo_over[key] = _coerce(key, raw, current, annotations[key])
+            algo_over[key] = _coerce(key, raw, ALGO_SCHEMA[key])
         else:
             valid = sorted(settings) + list(SETTING_NAMES)
             raise PresetError(f"unknown --set key {key!r}; valid keys: {', '.join(valid)}")

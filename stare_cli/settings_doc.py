@@ -1,9 +1,10 @@
-"""What every ``--set`` key means, and its defaults: ``stare algos --settings``.
+"""What every ``--set`` key means, and its defaults: ``stare algos --settings`` and the generated docs tables.
 
-Two kinds of keys: algorithm settings (``stare.algorithms.AlgoConfig``, one default per algorithm) and run
-settings (a preset's ``settings:`` block in ``configs/*.yaml``, one default per preset; GPU presets have the
-typed schema of ``openrlhf_backend/argv.py``). ``--set key=value`` accepts both; tests check that every key has
-a line here.
+Three tables of ``Setting`` rows (name, type, default, valid values, meaning), one per scope: the algorithm
+settings (``stare.algorithms.settings.ALGO_SETTINGS``, one default per algorithm), the local presets' run settings
+(``local_schema.LOCAL_SETTINGS``) and the GPU presets' (``gpu_schema.GPU_SETTINGS``), one default per preset.
+``--set key=value`` accepts all of them; this module renders them for the terminal and as docs/settings.md and
+docs/local-settings.md (tests keep the files equal to what it renders).
 """
 from __future__ import annotations
 
@@ -11,107 +12,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from stare.algorithms import ALGORITHMS, SETTING_NAMES
+from stare.algorithms import ALGORITHMS
+from stare.algorithms.settings import ALGO_SETTINGS, Setting
 
+from .gpu_schema import GPU_SETTINGS
 from .local_schema import LOCAL_SETTINGS
 
-# One line per algorithm setting (AlgoConfig's fields).
-ALGO_SETTING_HELP = {
-    "std_norm": "divide group advantages by the group's reward std (false: Dr.GRPO's unnormalised advantages)",
-    "clip_low": "PPO clip below: the ratio may fall to 1 - clip_low",
-    "clip_high": "PPO clip above: the ratio may rise to 1 + clip_high (DAPO's clip-higher: 0.28)",
-    "dual_clip": "dual clip: an A < 0 token's loss is capped at dual_clip x |A| (null: off)",
-    "agg": "how token losses become one loss: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm",
-    "dynamic_sampling": "drop prompts whose samples all got the same reward and sample more (DAPO)",
-    "max_gen_rounds": "dynamic sampling: generation rounds per step before training on what there is",
-    "overlong_shaping": "penalise responses that reach the last overlong_buffer_len tokens of the limit (DAPO)",
-    "overlong_buffer_len": "overlong shaping: length of the penalised zone before the response limit, in tokens",
-    "overlong_penalty": "overlong shaping: the penalty at the limit (it grows linearly across the zone)",
-    "stare": "reweight selected tokens' advantages (STARE); false: a plain baseline",
-    "selection": "which tokens STARE reweights: quantile (top share by surprisal, the paper) or phi (sign of "
-                 "the entropy sensitivity)",
-    "variant": "O1: weight W on selected A > 0 tokens only; C2: also weight M on selected A < 0 tokens",
-    "top_ratio": "share of the A > 0 (and A < 0) tokens selected by surprisal, the paper's P",
-    "w": "weight on the selected A > 0 tokens (raises entropy), the paper's W",
-    "m": "weight on the selected A < 0 tokens (C2), the paper's M",
-    "damp": "phi selection: weight on the entropy-lowering A > 0 tokens (1: untouched)",
-    "phi_cap": "phi selection: keep only this top share by Phi (null: every token with the right sign)",
-    "phi_tol": "phi selection: within this share of the step's mean |A Phi| of zero, a token's weight moves "
-               "linearly between the two the sign of Phi picks from (0: the sign decides alone)",
-    "scope": "where the selection is made: global (the step's whole batch) or micro_batch (the reference's rule)",
-    "controller": "the entropy gate: paper (on while entropy < target_entropy) or band (proportional, "
-                  "band_low..band_high)",
-    "target_entropy": "paper gate: reweighting is on while the batch entropy is below this",
-    "adaptive": "paper gate: move W and M by alpha each step towards the target (within w_max, m_min)",
-    "alpha": "adaptive paper gate: step size of W and M per RL step",
-    "w_max": "adaptive paper gate: the largest W",
-    "m_min": "adaptive paper gate: the smallest M",
-    "band_low": "band gate: full strength when the batch entropy is at or below this",
-    "band_high": "band gate: top of the band; above it the gate is off (or pushes down with two_sided)",
-    "band_target": "band gate: strength starts below this (null: band_high)",
-    "gain": "band gate: strength per unit of shortfall (1: full strength exactly at band_low)",
-    "two_sided": "band gate: above band_high, push entropy down (mirrored selection)",
-    "telemetry": "what each step logs: full (entropy, shares, Phi forecasts), entropy (batch entropy only) or off",
-    "stats_kernel": "kernel for the per-token entropy and Phi: auto (fused Triton on CUDA, eager torch elsewhere), "
-                    "torch, triton, compiled (torch.compile fuses them on any device; a compilation per process) or "
-                    "cpp (a C++ loop for the CPU, about 3.5x torch there; built once per machine with its C++ compiler)",
-    "token_rule": "an entropy baseline's token rule, once per step over the whole batch: none, clip-cov, kl-cov or "
-                  "80-20 (80-20 keeps the top top_ratio tokens by entropy)",
-    "clip_ratio": "clip-cov: share of the response tokens whose gradient is dropped (random among the candidates)",
-    "cov_low": "clip-cov: candidates have a log-prob/advantage covariance above this",
-    "cov_high": "clip-cov: candidates have a log-prob/advantage covariance below this",
-    "k_ratio": "kl-cov: share of the response tokens, the top ones by covariance, that get the |log-ratio| penalty",
-    "kl_cov_coef": "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is unclipped)",
-    "mask_denominator": "80-20: the loss divided by the selected tokens (selected, the 80/20 paper's code) or by "
-                        "every response token (all, TRL's choice)",
-}
-
-# One line per run setting of the local presets (tiny-cpu, tiny-explore, smollm-cpu): the schema's own words
-# (stare.cli.local_schema.LOCAL_SETTINGS, the one table of those settings: types, defaults, valid values, meaning).
+# The meaning of every key, by scope (the tables' own words).
+ALGO_SETTING_HELP = {s.name: s.help for s in ALGO_SETTINGS}
 LOCAL_RUN_SETTING_HELP = {s.name: s.help for s in LOCAL_SETTINGS}
-
-GPU_RUN_SETTING_HELP = {
-    "model": "hub id or folder of the policy to train",
-    "cold_start_checkpoint": "when set, RL starts from this (SFT) checkpoint instead of model",
-    "data": "training prompts: hub id or a local .jsonl/.json/.parquet with problem and answer",
-    "data_split": "split of a hub data set",
-    "prompt_template": "the prompt; must contain {problem}",
-    "apply_chat_template": "wrap the prompt in the model's chat template",
-    "samples_per_prompt": "responses per prompt (the group size G)",
-    "prompts_per_step": "prompts per RL step (the rollout batch)",
-    "train_batch_size": "sequences per optimizer step, over all GPUs",
-    "micro_batch_size": "sequences per GPU per forward/backward",
-    "rollout_micro_batch_size": "sequences per GPU per log-prob forward",
-    "max_prompt_len": "prompt limit in tokens",
-    "max_response_len": "response limit in tokens",
-    "lr": "actor learning rate",
-    "warmup_ratio": "share of the steps with a learning-rate warm-up",
-    "grad_clip": "gradient norm clip",
-    "kl_coef": "KL penalty to a reference model (0: no reference model, the paper's recipe)",
-    "temperature": "rollout sampling temperature",
-    "top_p": "rollout nucleus sampling",
-    "episodes": "passes over the prompt set",
-    "seed": "training seed",
-    "gpus_per_node": "GPUs per node",
-    "nodes": "nodes",
-    "vllm_engines": "vLLM rollout engines",
-    "vllm_tensor_parallel": "tensor parallel size of each vLLM engine",
-    "vllm_gpu_memory_utilization": "share of GPU memory vLLM may take",
-    "colocate": "actor and vLLM share the GPUs (vLLM sleeps while the actor trains)",
-    "zero_stage": "DeepSpeed ZeRO stage (0-3)",
-    "gradient_checkpointing": "recompute activations in the backward pass to save memory",
-    "packing": "pack sequences into token-budget micro-batches (needs flash-attn)",
-    "max_tokens_per_gpu": "packing: the token budget of one micro-batch",
-    "save_steps": "a checkpoint every N steps",
-    "max_checkpoints": "checkpoints kept",
-    "reward_timeout_s": "time limit for scoring one answer, in seconds",
-    "wandb_project": "non-empty: also log to this W&B project ($WANDB_API_KEY)",
-    "ray_dashboard": "start the Ray dashboard with the Ray head started here (off by default: it can stall a small "
-                     "machine's start; a joined cluster's head decides for itself)",
-    "agent": "'' (single turn) or python (multi-turn sandboxed Python tool use)",
-    "tool_max_turns": "tool use: turns per episode",
-    "tool_timeout_s": "tool use: time limit per code block, in seconds",
-}
+GPU_RUN_SETTING_HELP = {s.name: s.help for s in GPU_SETTINGS}
 
 
 def _fmt(value) -> str:
@@ -138,11 +48,14 @@ def algo_settings_table() -> Table:
     table = Table(title="algorithm settings (--set key=value; default per algorithm)")
     table.add_column("setting", style="bold cyan", no_wrap=True)
     table.add_column("default")
-    table.add_column("meaning")
-    for key in SETTING_NAMES:
-        values = {name: getattr(cfg, key) for name, cfg in ALGORITHMS.items()}
-        table.add_row(key, escape(_per_owner(values)), escape(ALGO_SETTING_HELP.get(key, "")))
+    table.add_column("meaning; valid values")
+    for s in ALGO_SETTINGS:
+        table.add_row(s.name, escape(_algo_defaults(s)), escape(f"{s.help}; valid: {s.valid()}"))
     return table
+
+
+def _algo_defaults(s: Setting) -> str:
+    return _per_owner({name: getattr(cfg, s.name) for name, cfg in ALGORITHMS.items()})
 
 
 def local_run_settings_table() -> Table:
@@ -164,24 +77,42 @@ def local_run_settings_table() -> Table:
 
 
 def gpu_run_settings_table() -> Table:
-    from .openrlhf_backend.argv import SCHEMA
-
     table = Table(title="run settings of the GPU presets (--set key=value; default, or required: each preset "
                         "sets it)")
     table.add_column("setting", style="bold cyan", no_wrap=True)
     table.add_column("default")
-    table.add_column("meaning")
-    for key, (typ, default) in SCHEMA.items():
-        shown = "required" if default is ... else repr(default) if default == "" else _fmt(default)
-        table.add_row(key, escape(f"{shown} ({typ.__name__})"), escape(GPU_RUN_SETTING_HELP.get(key, "")))
+    table.add_column("meaning; valid values")
+    for s in GPU_SETTINGS:
+        table.add_row(s.name, escape(f"{_default_text(s, _fmt)} ({s.type.__name__})"),
+                      escape(f"{s.help}; valid: {s.valid()}"))
     return table
+
+
+def _default_text(s: Setting, fmt) -> str:
+    """A row's own default: 'required', '' (quoted) or the value as ``fmt`` writes it."""
+    return "required" if s.required else repr(s.default) if s.default == "" else fmt(s.default)
+
+
+def _yaml_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def markdown_table(rows, default=None) -> str:
+    """Settings rows as a markdown table: setting, type, default, valid values, meaning. ``default`` gives a row's
+    default column (a row's own default, in backquotes, when None)."""
+    lines = ["| setting | type | default | valid | meaning |", "|---|---|---|---|---|"]
+    for s in rows:
+        shown = default(s) if default else f"`{_default_text(s, _yaml_text)}`"
+        cells = [f"`{s.name}`", s.type.__name__, shown, s.valid(), s.help]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def local_settings_markdown() -> str:
     """docs/local-settings.md: the local presets' settings table, rendered from the schema (a test keeps the file
     equal to this; regenerate with ``python -m stare.cli.settings_doc > docs/local-settings.md``)."""
-    from .local_schema import markdown_table
-
     return ("# Settings of the local presets\n\n"
             "Generated from `stare_cli/local_schema.py` (`LOCAL_SETTINGS`, the one table `stare algos --settings` "
             "prints too) by `python -m stare.cli.settings_doc > docs/local-settings.md`. Every local preset "
@@ -189,7 +120,32 @@ def local_settings_markdown() -> str:
             "`--set`; a value outside it is one line naming the setting, the value and what is valid, and nothing "
             "is written. The defaults are what a preset that leaves a setting out gets; `stare algos --settings` shows each "
             "preset's own values.\n\n"
-            + markdown_table())
+            + markdown_table(LOCAL_SETTINGS))
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every key ``--set`` accepts, in three tables rendered from the three settings tables (a
+    test keeps the file equal to this; regenerate with ``python -m stare.cli.settings_doc settings >
+    docs/settings.md``)."""
+    names = ", ".join(f"`{n}`" for n in ALGORITHMS)
+    return ("# Settings\n\n"
+            "Generated from the three settings tables by `python -m stare.cli.settings_doc settings > "
+            "docs/settings.md`; `stare algos --settings` prints the same tables. `--set key=value` takes any key "
+            "below (`stare train`, `stare run`); a value outside its row is one line naming the setting, the value "
+            "and what is valid, and nothing is written.\n\n"
+            "## Algorithm settings\n\n"
+            "`algorithms/settings.py` (`ALGO_SETTINGS`), one row per field of `AlgoConfig`, checked by "
+            "`AlgoConfig.validate` with the rules between settings. The default is each algorithm's "
+            f"({names}): the common value, then the algorithms that differ.\n\n"
+            + markdown_table(ALGO_SETTINGS, _algo_defaults)
+            + "\n## Run settings of the local presets\n\n"
+            "`stare_cli/local_schema.py` (`LOCAL_SETTINGS`; docs/local-settings.md has this table alone). A preset "
+            "that leaves a setting out gets the default.\n\n"
+            + markdown_table(LOCAL_SETTINGS)
+            + "\n## Run settings of the GPU presets\n\n"
+            "`stare_cli/gpu_schema.py` (`GPU_SETTINGS`); `openrlhf_backend/argv.py` adds the rules between them "
+            "(GPU layout, batch sizes) that OpenRLHF asserts. Every GPU preset gives the required ones.\n\n"
+            + markdown_table(GPU_SETTINGS))
 
 
 def print_settings(console: Console) -> None:
@@ -203,4 +159,8 @@ def print_settings(console: Console) -> None:
 if __name__ == "__main__":
     import sys
 
-    sys.stdout.write(local_settings_markdown())
+    docs = {"local-settings": local_settings_markdown, "settings": settings_markdown}
+    which = sys.argv[1] if len(sys.argv) > 1 else "local-settings"
+    if which not in docs:
+        sys.exit(f"error: unknown table {which!r}; valid: {', '.join(docs)}")
+    sys.stdout.write(docs[which]())

@@ -263,7 +263,7 @@ def test_tiny_cpu_description_says_what_the_seed_table_shows():
 def test_algos_settings_lists_every_key_with_defaults_and_meaning():
     from stare.algorithms import ALGORITHMS, SETTING_NAMES
     from stare.cli import settings_doc
-    from stare.cli.openrlhf_backend.argv import SCHEMA
+    from stare.cli.gpu_schema import SCHEMA
     from stare.cli.presets import load_preset, preset_names
 
     local = [load_preset(n) for n in preset_names() if load_preset(n).backend == "local"]

@@ -27,7 +27,7 @@ from stare.algorithms import SETTING_NAMES, AlgoConfig
 from stare.cli import errors
 from stare.cli.local_schema import LOCAL_SETTINGS
 from stare.cli.main import app
-from stare.cli.openrlhf_backend.argv import SCHEMA as GPU_SCHEMA
+from stare.cli.gpu_schema import GPU_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -75,12 +75,6 @@ def bad_values_for_type(typ, *, low=None, high=None, nullable=False, choices=Non
     return []
 
 
-# the GPU settings argv.check_settings requires to be >= 1
-GPU_AT_LEAST_1 = ("samples_per_prompt", "prompts_per_step", "train_batch_size", "micro_batch_size",
-                  "rollout_micro_batch_size", "max_prompt_len", "max_response_len", "episodes", "gpus_per_node", "nodes",
-                  "vllm_engines", "vllm_tensor_parallel", "max_tokens_per_gpu", "max_checkpoints")
-
-
 def set_cases() -> list[tuple[str, list[str], str | None]]:
     cases = []
     # local presets: every setting of the schema, on train (dry run and not), the first few on run too
@@ -107,13 +101,13 @@ def set_cases() -> list[tuple[str, list[str], str | None]]:
             item = f"{key}={v}"
             cases.append((f"train --algo stare --set {item} --dry-run", [*TRAIN[:3], "--algo", "stare", "--dry-run",
                                                                           "--set", item], key))
-    # GPU presets: every setting of the OpenRLHF schema
-    for key, (typ, _default) in GPU_SCHEMA.items():
-        if typ is str:
+    # GPU presets: every setting of the OpenRLHF schema (gpu_schema.py)
+    for s in GPU_SETTINGS:
+        if s.type is str:
             continue  # free text (ids, paths, templates): the value-specific cases are below
-        low = 1 if key in GPU_AT_LEAST_1 else None
-        for v in bad_values_for_type(typ, low=low):
-            cases.append((f"train gpu --set {key}={v}", [*TRAIN_GPU, "--set", f"{key}={v}"], key))
+        low = s.low if s.type is int else None  # the integer settings' lower bounds (>= 1)
+        for v in bad_values_for_type(s.type, low=low):
+            cases.append((f"train gpu --set {s.name}={v}", [*TRAIN_GPU, "--set", f"{s.name}={v}"], s.name))
     for item in ["agent=nope", "prompt_template=no placeholder", "cold_start_checkpoint=/no/such/path",
                  "zero_stage=4", "vllm_gpu_memory_utilization=1.5", "samples_per_prompt=1"]:
         cases.append((f"train gpu --set {item}", [*TRAIN_GPU, "--set", item], item.split("=")[0]))
@@ -296,5 +290,5 @@ def test_the_harness_catches_each_kind_of_failure(scratch, monkeypatch):
 def test_fields_of_the_registry_are_all_fuzzed():
     keys = {args[-1].split("=")[0] for _, args, _ in CASES if "--set" in args}
     assert set(SETTING_NAMES) <= keys and {s.name for s in LOCAL_SETTINGS} <= keys
-    assert {k for k, (t, _) in GPU_SCHEMA.items() if t is not str} <= keys
+    assert {s.name for s in GPU_SETTINGS if s.type is not str} <= keys
     assert len(fields(AlgoConfig)) >= len(SETTING_NAMES)

@@ -197,7 +197,7 @@ def test_the_baselines_dry_run_prints_the_plugins_settings_and_kl_cov_is_unclipp
     assert plans["clip-cov"]["stare"] == {"name": "clip-cov", "token_rule": "clip-cov", "clip_ratio": 2e-4,
                                           "cov_low": 1.0, "cov_high": 5.0, "telemetry": "full"}
     assert plans["80-20"]["stare"] == {"name": "80-20", "token_rule": "80-20", "top_ratio": 0.2,
-                                       "telemetry": "full"}
+                                       "mask_denominator": "selected", "telemetry": "full"}
     kl = plans["kl-cov"]
     assert kl["stare"]["token_rule"] == "kl-cov" and kl["stare"]["k_ratio"] == 2e-3
     assert any("unclipped" in n for n in kl["notes"])

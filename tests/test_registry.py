@@ -115,9 +115,57 @@ def test_no_algorithm_setting_shadows_a_run_setting():
     import yaml
 
     from stare.algorithms import SETTING_NAMES
-    from stare.cli.openrlhf_backend.argv import SCHEMA
+    from stare.cli.gpu_schema import SCHEMA
 
     run_keys = set(SCHEMA)
     for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"):
         run_keys |= set(yaml.safe_load(path.read_text()).get("settings") or {})
     assert "kl_coef" in run_keys and not set(SETTING_NAMES) & run_keys, set(SETTING_NAMES) & run_keys
+
+
+def test_token_rules_are_a_registry_that_everything_asks():
+    """Each rule says what it reads, needs and changes; AlgoConfig's properties and both engines ask the rule."""
+    from stare.algorithms import SETTING_NAMES, get_token_rule
+    from stare.algorithms.token_rules import RULES
+
+    assert tuple(RULES) == TOKEN_RULES
+    for name, rule in RULES.items():
+        assert rule.name == name and get_token_rule(name) is rule
+        assert set(rule.exclusive) <= set(rule.settings) <= set(SETTING_NAMES), name
+        assert rule.active == (name != "none")
+    assert [n for n, r in RULES.items() if r.unclipped] == ["kl-cov"]
+    assert [n for n, r in RULES.items() if r.random] == ["clip-cov"]
+    assert [n for n, r in RULES.items() if r.needs_entropy] == ["80-20"]
+    for name, cfg in ALGORITHMS.items():
+        assert cfg.rule is RULES[cfg.token_rule] and cfg.unclipped == cfg.rule.unclipped, name
+    with pytest.raises(ValueError, match="unknown token_rule 'clipcov'; valid choices: none, clip-cov"):
+        get_token_rule("clipcov")
+
+
+def test_stare_step_runs_whatever_rule_the_name_looks_up(monkeypatch):
+    """The step asks the rule object for its weights and penalty (and passes the generator): a rule registered under
+    a name is what runs."""
+    import torch
+
+    from stare.algorithms import EntropyStats, TokenRule, stare_step
+    from stare.algorithms.token_rules import RULES
+
+    seen = {}
+
+    class Halves(TokenRule):
+        name = "clip-cov"
+        active = True
+        random = True
+
+        def apply(self, cfg, logprobs, advantages, mask, entropy, *, group=None, generator=None):
+            seen["generator"] = generator
+            return torch.full(logprobs.shape, 0.5), torch.ones(logprobs.shape)
+
+    monkeypatch.setitem(RULES, "clip-cov", Halves())
+    cfg = get_algorithm("clip-cov", telemetry="off")
+    gen = torch.Generator()
+    lp = -torch.rand(2, 3)
+    res = stare_step(None, cfg, lp, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+                     EntropyStats(None, -lp, None), generator=gen)
+    assert seen["generator"] is gen and torch.equal(res.weights, torch.full((2, 3), 0.5))
+    assert torch.equal(res.penalty, torch.ones(2, 3)) and res.metrics == {"stare/tokens": 6.0}

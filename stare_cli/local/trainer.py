@@ -232,7 +232,7 @@ class LocalTrainer:
         plan = [list(mb.split(self.s["micro_batch_size"])) for mb in order.chunk(mb_count)]
         step = stare_step(self.controller, self.algo, old_logprobs, adv, mask, stats, memory=self.memory,
                           micro_batches=[micro for micros in plan for micro in micros],
-                          generator=self.clip_gen if self.algo.token_rule == "clip-cov" else None)
+                          generator=self.clip_gen if self.algo.rule.random else None)
         weights, penalty, entropy = step.weights, step.penalty, step.metrics["stare/entropy"]
         self.memory = step.memory
         rec.update(step.metrics)

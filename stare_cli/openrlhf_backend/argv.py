@@ -21,56 +21,12 @@ from pathlib import Path
 
 from stare.algorithms import AlgoConfig
 
+from ..gpu_schema import SettingsError, check_values  # the GPU presets' settings table (SettingsError: its old home)
+
 SETTINGS_ENV = "STARE_SETTINGS"
 DASHBOARD_ENV = "STARE_RAY_DASHBOARD"  # 1: the local Ray head starts its dashboard (the ray_dashboard setting)
 REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
 PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
-
-# The settings an ``openrlhf`` preset may hold: name -> (type, default). ``...`` marks a required setting.
-# Types are checked on load; ``float`` also accepts an int.
-SCHEMA: dict[str, tuple[type, object]] = {
-    "model": (str, ...),  # hub id or path of the policy to train
-    "cold_start_checkpoint": (str, ""),  # when set, training starts from it instead of ``model`` (SFT'd policy)
-    "data": (str, ...),  # training prompts: hub id, or a local .jsonl/.json/.parquet path
-    "data_split": (str, "train"),
-    "prompt_template": (str, ...),  # must contain {problem}
-    "apply_chat_template": (bool, True),
-    "samples_per_prompt": (int, ...),  # rollout n (G)
-    "prompts_per_step": (int, ...),  # prompts per RL step (rollout batch)
-    "train_batch_size": (int, ...),  # sequences per optimizer step (global)
-    "micro_batch_size": (int, 1),  # sequences per GPU per forward/backward
-    "rollout_micro_batch_size": (int, 4),  # sequences per GPU per log-prob forward
-    "max_prompt_len": (int, ...),
-    "max_response_len": (int, ...),
-    "lr": (float, ...),
-    "warmup_ratio": (float, 0.0),
-    "grad_clip": (float, 1.0),
-    "kl_coef": (float, 0.0),  # 0: no reference model, no KL (the paper's recipe)
-    "temperature": (float, 1.0),
-    "top_p": (float, 1.0),
-    "episodes": (int, 1),  # passes over the prompt set
-    "seed": (int, 42),
-    "gpus_per_node": (int, ...),
-    "nodes": (int, ...),
-    "vllm_engines": (int, ...),
-    "vllm_tensor_parallel": (int, ...),
-    "vllm_gpu_memory_utilization": (float, 0.6),
-    "colocate": (bool, True),  # actor and vLLM share the GPUs (sleep mode)
-    "zero_stage": (int, 3),
-    "gradient_checkpointing": (bool, True),
-    "packing": (bool, True),  # packed sequences + token-budget micro-batches (needs flash-attn)
-    "max_tokens_per_gpu": (int, 16384),
-    "save_steps": (int, 10),
-    "max_checkpoints": (int, 2),
-    "reward_timeout_s": (float, 5.0),
-    "wandb_project": (str, ""),  # non-empty: log to W&B too (key from $WANDB_API_KEY at launch)
-    "ray_dashboard": (bool, False),  # start the Ray dashboard with the local head (off: it can stall a small machine)
-    # multi-turn tool use (the qwen-7b-tool-use preset)
-    "agent": (str, ""),  # "" (single turn) | "python" (sandboxed Python tool agent)
-    "tool_max_turns": (int, 4),
-    "tool_timeout_s": (float, 10.0),
-}
-AGENTS = ("", "python")
 
 # Our loss aggregations -> OpenRLHF's --actor.loss_agg_mode (Dr.GRPO's constant-length sum has no OpenRLHF
 # mode; token-mean is the nearest, and the dry-run says so in "notes").
@@ -78,62 +34,12 @@ AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-
              "seq-mean-token-sum-norm": "token-mean"}
 
 
-# The entropy baselines' token rules (stare.algorithms' TOKEN_RULES other than "none") -> the settings the plugin
-# reads for each, printed by the dry run under "stare".
-RULE_SETTINGS = {"clip-cov": ("clip_ratio", "cov_low", "cov_high"), "kl-cov": ("k_ratio", "kl_cov_coef"),
-                 "80-20": ("top_ratio",)}
-
-
-class SettingsError(ValueError):
-    """A preset's settings do not fit the schema (the CLI exits with code 2)."""
-
-
 def check_settings(settings: dict, source: str) -> dict:
-    """Type-check an openrlhf preset's settings and fill defaults. Returns a new dict."""
-    unknown = sorted(set(settings) - set(SCHEMA))
-    if unknown:
-        raise SettingsError(f"preset {source}: unknown setting {unknown[0]!r}; valid settings: {', '.join(SCHEMA)}")
-    out = {}
-    for key, (typ, default) in SCHEMA.items():
-        if key not in settings:
-            if default is ...:
-                raise SettingsError(f"preset {source} is missing the setting {key!r} ({typ.__name__})")
-            out[key] = default
-            continue
-        value = settings[key]
-        ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise SettingsError(f"preset {source}: setting {key!r} must be {typ.__name__}, got {value!r}")
-        out[key] = value
-    if "{problem}" not in out["prompt_template"]:
-        raise SettingsError(f"preset {source}: prompt_template must contain {{problem}}, got {out['prompt_template']!r}")
-    for key in ("samples_per_prompt", "prompts_per_step", "train_batch_size", "micro_batch_size",
-                "rollout_micro_batch_size", "max_prompt_len", "max_response_len", "episodes", "gpus_per_node",
-                "nodes", "vllm_engines", "vllm_tensor_parallel", "max_tokens_per_gpu", "max_checkpoints"):
-        if out[key] < 1:
-            raise SettingsError(f"preset {source}: setting {key!r} must be >= 1, got {out[key]}")
-    for key in ("cold_start_checkpoint",):  # a path that is not there is not a hub id to wait for
-        if out[key] and _missing_path(out[key]):
-            raise SettingsError(f"preset {source}: setting {key!r} {out[key]}: no such folder "
-                                f"({Path(out[key]).expanduser().absolute()}); expected a model folder or a hub id "
-                                "(owner/name)")
-    if out["agent"] not in AGENTS:
-        raise SettingsError(f"preset {source}: unknown agent {out['agent']!r}; valid agents: '' (none), python")
-    if out["zero_stage"] not in (0, 1, 2, 3):
-        raise SettingsError(f"preset {source}: zero_stage must be 0, 1, 2 or 3, got {out['zero_stage']}")
-    if not 0 < out["vllm_gpu_memory_utilization"] <= 1:
-        raise SettingsError(f"preset {source}: vllm_gpu_memory_utilization must be in (0, 1], "
-                            f"got {out['vllm_gpu_memory_utilization']}")
+    """Check an openrlhf preset's settings (the schema's rows, ``stare_cli/gpu_schema.py``, then the layout rules
+    below) and fill defaults. Returns a new dict."""
+    out = check_values(settings, source)
     _check_layout(out, source)
     return out
-
-
-def _missing_path(value: str) -> bool:
-    """A model setting that is a local path (not owner/name) and does not exist here."""
-    hub_id = value.count("/") == 1 and not value.startswith(("/", "./", "../", "~")) and all(value.split("/"))
-    return not hub_id and not Path(value).expanduser().exists()
 
 
 def _check_layout(s: dict, source: str) -> None:
@@ -269,8 +175,8 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     flag("actor.max_norm", s["grad_clip"])
     # the algorithm
     flag("algo.advantage.estimator", "group_norm" if algo["std_norm"] else "dr_grpo")
-    rule = algo.get("token_rule", "none")
-    if AlgoConfig(**algo).unclipped:
+    rule = AlgoConfig(**algo).rule  # the entropy baseline's token rule ("none" for the others)
+    if rule.unclipped:
         # KL-Cov's surrogate is -A r for every token: OpenRLHF's clip range made infinite (its clamp is then the
         # identity) and no dual clip; the plugin sets the same on the loss it wraps
         flag("actor.eps_clip_low_high", float("inf"), float("inf"))
@@ -331,8 +237,9 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
                                       "scope", "controller", "target_entropy", "adaptive", "alpha", "w_max",
                                       "m_min", "band_low", "band_high", "band_target", "gain", "two_sided",
                                       "telemetry")}
-    elif rule != "none":  # an entropy baseline: the plugin applies its token rule once per step
-        stare = {k: algo[k] for k in ("name", "token_rule", *RULE_SETTINGS[rule], "telemetry")}
+    elif rule.active:  # an entropy baseline: the plugin applies its token rule once per step (the dry run prints
+        # the settings the rule reads)
+        stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}

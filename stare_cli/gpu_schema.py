@@ -1,0 +1,123 @@
+"""The typed schema of the GPU presets' ``settings:`` (qwen-7b-short-cot, ...): one table, ``GPU_SETTINGS``.
+
+A row per setting an ``openrlhf`` preset may hold (``stare.algorithms.settings.Setting``): name, type, default
+(``REQUIRED``: every preset gives it), the valid range or choices and a one-line meaning. ``check_values`` checks
+a preset's settings against it when the preset is loaded and again after ``--set``; ``stare algos --settings`` and
+docs/settings.md render from it (``settings_doc``). The rules between settings that mirror OpenRLHF's own asserts
+(the GPU layout, the batch sizes) are ``openrlhf_backend/argv.py``'s, which runs them after these. A new setting
+is one more row here (and its flag in ``argv.build_launch``).
+
+No torch import here: ``stare presets`` and ``stare algos`` read this module, and they must stay fast.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from stare.algorithms.settings import REQUIRED, Setting, schema
+
+AGENTS = ("", "python")  # "" (single turn) | "python" (the sandboxed Python tool agent)
+
+
+class SettingsError(ValueError):
+    """A preset's settings do not fit the schema (the CLI exits with code 2)."""
+
+
+def _missing_path(value: str) -> bool:
+    """A model setting that is a local path (not owner/name) and does not exist here."""
+    hub_id = value.count("/") == 1 and not value.startswith(("/", "./", "../", "~")) and all(value.split("/"))
+    return not hub_id and not Path(value).expanduser().exists()
+
+
+def _cold_start(value: str) -> str | None:
+    if value and _missing_path(value):  # a path that is not there is not a hub id to wait for
+        return (f"setting 'cold_start_checkpoint' {value}: no such folder ({Path(value).expanduser().absolute()}); "
+                "expected a model folder or a hub id (owner/name)")
+    return None
+
+
+def _template(value: str) -> str | None:
+    return None if "{problem}" in value else f"prompt_template must contain {{problem}}, got {value!r}"
+
+
+# THE table. A check's message names the setting itself.
+GPU_SETTINGS: tuple[Setting, ...] = (
+    Setting("model", str, REQUIRED, "hub id or folder of the policy to train"),
+    Setting("cold_start_checkpoint", str, "", "when set, RL starts from this (SFT) checkpoint instead of model",
+            check=_cold_start, valid_text="'' (none), a model folder or a hub id (owner/name)"),
+    Setting("data", str, REQUIRED, "training prompts: hub id or a local .jsonl/.json/.parquet with problem and answer"),
+    Setting("data_split", str, "train", "split of a hub data set"),
+    Setting("prompt_template", str, REQUIRED, "the prompt; must contain {problem}", check=_template,
+            valid_text="text containing {problem}"),
+    Setting("apply_chat_template", bool, True, "wrap the prompt in the model's chat template"),
+    Setting("samples_per_prompt", int, REQUIRED, "responses per prompt (the group size G)", low=1,
+            valid_text="integer >= 2"),  # 0 and below: the >= 1 message; 1: argv's layout check says why not
+    Setting("prompts_per_step", int, REQUIRED, "prompts per RL step (the rollout batch)", low=1),
+    Setting("train_batch_size", int, REQUIRED, "sequences per optimizer step, over all GPUs", low=1),
+    Setting("micro_batch_size", int, 1, "sequences per GPU per forward/backward", low=1),
+    Setting("rollout_micro_batch_size", int, 4, "sequences per GPU per log-prob forward", low=1),
+    Setting("max_prompt_len", int, REQUIRED, "prompt limit in tokens", low=1),
+    Setting("max_response_len", int, REQUIRED, "response limit in tokens", low=1),
+    Setting("lr", float, REQUIRED, "actor learning rate"),
+    Setting("warmup_ratio", float, 0.0, "share of the steps with a learning-rate warm-up"),
+    Setting("grad_clip", float, 1.0, "gradient norm clip"),
+    Setting("kl_coef", float, 0.0, "KL penalty to a reference model (0: no reference model, the paper's recipe)"),
+    Setting("temperature", float, 1.0, "rollout sampling temperature"),
+    Setting("top_p", float, 1.0, "rollout nucleus sampling"),
+    Setting("episodes", int, 1, "passes over the prompt set", low=1),
+    Setting("seed", int, 42, "training seed"),
+    Setting("gpus_per_node", int, REQUIRED, "GPUs per node", low=1),
+    Setting("nodes", int, REQUIRED, "nodes", low=1),
+    Setting("vllm_engines", int, REQUIRED, "vLLM rollout engines", low=1),
+    Setting("vllm_tensor_parallel", int, REQUIRED, "tensor parallel size of each vLLM engine", low=1),
+    Setting("vllm_gpu_memory_utilization", float, 0.6, "share of GPU memory vLLM may take", low=0, high=1,
+            low_open=True),
+    Setting("colocate", bool, True, "actor and vLLM share the GPUs (vLLM sleeps while the actor trains)"),
+    Setting("zero_stage", int, 3, "DeepSpeed ZeRO stage (0-3)", choices=(0, 1, 2, 3)),
+    Setting("gradient_checkpointing", bool, True, "recompute activations in the backward pass to save memory"),
+    Setting("packing", bool, True, "pack sequences into token-budget micro-batches (needs flash-attn)"),
+    Setting("max_tokens_per_gpu", int, 16384, "packing: the token budget of one micro-batch", low=1),
+    Setting("save_steps", int, 10, "a checkpoint every N steps"),
+    Setting("max_checkpoints", int, 2, "checkpoints kept", low=1),
+    Setting("reward_timeout_s", float, 5.0, "time limit for scoring one answer, in seconds"),
+    Setting("wandb_project", str, "", "non-empty: also log to this W&B project ($WANDB_API_KEY)"),
+    Setting("ray_dashboard", bool, False, "start the Ray dashboard with the Ray head started here (off by default: it "
+            "can stall a small machine's start; a joined cluster's head decides for itself)"),
+    # multi-turn tool use (the qwen-7b-tool-use preset)
+    Setting("agent", str, "", "'' (single turn) or python (multi-turn sandboxed Python tool use)", choices=AGENTS),
+    Setting("tool_max_turns", int, 4, "tool use: turns per episode"),
+    Setting("tool_timeout_s", float, 10.0, "tool use: time limit per code block, in seconds"),
+)
+SCHEMA: dict[str, Setting] = schema(GPU_SETTINGS)
+
+
+def check_values(settings: dict, source: str) -> dict:
+    """Check an openrlhf preset's settings against ``GPU_SETTINGS`` (names, types, then each value's range, choices
+    and check) and fill the defaults. Returns a new dict; ``SettingsError`` naming ``source`` otherwise."""
+    unknown = sorted(set(settings) - set(SCHEMA))
+    if unknown:
+        raise SettingsError(f"preset {source}: unknown setting {unknown[0]!r}; valid settings: {', '.join(SCHEMA)}")
+    out = {}
+    for s in GPU_SETTINGS:
+        if s.name not in settings:
+            if s.required:
+                raise SettingsError(f"preset {source} is missing the setting {s.name!r} ({s.type.__name__})")
+            out[s.name] = s.default
+            continue
+        value = settings[s.name]
+        if not s.has_type(value):
+            raise SettingsError(f"preset {source}: setting {s.name!r} must be {s.type.__name__}, got {value!r}")
+        out[s.name] = float(value) if s.type is float else value
+    for s in GPU_SETTINGS:
+        why = _problem(s, out[s.name])
+        if why:
+            raise SettingsError(f"preset {source}: {why}")
+    return out
+
+
+def _problem(s: Setting, value) -> str | None:
+    """Why ``value`` (of the right type) is not valid for ``s``, or None."""
+    if s.choices is not None and value not in s.choices:
+        return f"setting {s.name!r} must be one of {s.choices_text()}, got {value!r}"
+    if s.out_of_range(value):
+        return f"setting {s.name!r} must be {s.range_text()}, got {value}"
+    return s.check(value) if s.check is not None else None
