@@ -53,19 +53,18 @@ import os
 from pathlib import Path
 
 from . import OPENRLHF_VERSION, OpenRLHFVersionError, check_openrlhf_version  # noqa: F401 (re-exported)
-
-check_openrlhf_version()
+from .compat import (  # the version check, then OpenRLHF's names
+    PolicyLoss,
+    aggregate_loss,
+    gather_and_pad_tensor,
+    get_tensor_in_current_ring_attn_rank,
+    make_experience_batch,
+    unpad_and_slice_tensor,
+)
+from .compat import ppo_actor as _ppo_actor
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from openrlhf.models import PolicyLoss, aggregate_loss  # noqa: E402
-from openrlhf.models.ring_attn_utils import (  # noqa: E402
-    gather_and_pad_tensor,
-    get_tensor_in_current_ring_attn_rank,
-    unpad_and_slice_tensor,
-)
-from openrlhf.trainer.ppo_utils.experience import make_experience_batch  # noqa: E402
-from openrlhf.trainer.ray import ppo_actor as _ppo_actor  # noqa: E402
 
 from stare.algorithms import (  # noqa: E402
     AlgoConfig,
