@@ -121,7 +121,7 @@ from openrlhf.trainer.ray import ppo_actor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from stare.algorithms import get_algorithm  # noqa: E402
-from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend import plugin, stats  # noqa: E402
 from stare.cli.openrlhf_backend.argv import SETTINGS_ENV  # noqa: E402
 
 ppo_actor.torch_dist_barrier_and_cuda_sync = lambda: None
@@ -229,7 +229,7 @@ def make_trainer(variant, actor, optim):
 # entropy_sensitivity calls), the plugin's once-per-step block, the rest of ppo_train
 PHASES = ("forward", "stats", "prepare", "train")
 RUNNING = [None]  # the Phases of the step being run: the statistics' wrapper below times into it
-_entropy_sensitivity = plugin.entropy_sensitivity
+_entropy_sensitivity = stats.entropy_sensitivity
 
 
 def timed_entropy_sensitivity(*a, **kw):
@@ -239,7 +239,7 @@ def timed_entropy_sensitivity(*a, **kw):
         return _entropy_sensitivity(*a, **kw)
 
 
-plugin.entropy_sensitivity = timed_entropy_sensitivity  # what the plugin's forward hook calls, timed in place
+stats.entropy_sensitivity = timed_entropy_sensitivity  # what the plugin's forward hook calls, timed in place
 
 
 class Phases:
@@ -279,13 +279,13 @@ def make_step(variant, rollouts, actor, optim):
     status = {}
     phases = Phases()
     if variant not in OWN:
-        prepare = trainer.stare_prepare_step
+        prepare = trainer.stare.prepare_step
 
         def timed_prepare():
             with phases("prepare"):
                 return prepare()
 
-        trainer.stare_prepare_step = timed_prepare
+        trainer.stare.prepare_step = timed_prepare
 
     def step():
         phases.seconds = {}
@@ -301,7 +301,7 @@ def make_step(variant, rollouts, actor, optim):
                     if variant in OWN:
                         lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
                     else:
-                        lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+                        lp = trainer.stare.stash.old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
                 trainer.actor.train()
                 exp.action_log_probs = lp * exp.action_mask
                 trainer.replay_buffer.append(exp)

@@ -250,7 +250,7 @@ PATCHES = {
     "openrlhf.utils.deepspeed.deepspeed": patch_device_mesh,
     "openrlhf.utils.distributed_util": patch_sync_group,
     "openrlhf.trainer.ray.vllm_worker_wrap": patch_worker_update_weight,
-    "stare.cli.openrlhf_backend.plugin": patch_trainer_crash,
+    "stare.cli.openrlhf_backend.actor": patch_trainer_crash,
     "stare.cli.openrlhf_backend.launch": patch_extra_args,
 }
 # the seven patches of the CPU run (the test hooks are not counted)
