@@ -1,4 +1,4 @@
-"""The actor's side of one RL step in OpenRLHF 0.11.2, with OpenRLHF's own loss vs the STARE plugin, on CPU.
+"""The actor's side of one RL step in the pinned OpenRLHF, with OpenRLHF's own loss vs the STARE plugin, on CPU.
 
 One step = the old-log-prob forward over the step's rollouts (what OpenRLHF's ``PolicyModelActor.forward``
 runs, one call per rollout micro-batch; the plugin's actor computes the entropy and Phi there and stashes
@@ -344,7 +344,7 @@ for i in range(args.repeats):
 size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
         f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
         f"telemetry {args.telemetry}, stats kernel {args.kernel}")
-print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
+print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF {plugin.OPENRLHF_VERSION} on CPU: {size}")
 print(f"{'variant':<14} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed  90% interval")
 base = median(times["openrlhf"])
 ratios = {}

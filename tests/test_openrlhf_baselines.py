@@ -1,4 +1,4 @@
-"""The entropy baselines (Clip-Cov, KL-Cov, 80/20) inside OpenRLHF 0.11.2's real ``ppo_train``, on the CPU.
+"""The entropy baselines (Clip-Cov, KL-Cov, 80/20) inside the pinned OpenRLHF's real ``ppo_train``, on the CPU.
 
 The same set-up as test_openrlhf_plugin.py (tiny random Llama, OpenRLHF's own ``ActorPPOTrainer``, a strategy
 that accumulates the whole step's gradient). Each baseline's gradient is compared with a loss written out here

@@ -1,4 +1,4 @@
-"""`stare train --preset qwen-7b-short-cot` through OpenRLHF 0.11.2's REAL `train_ppo_ray` loop, on CPU.
+"""`stare train --preset qwen-7b-short-cot` through the pinned OpenRLHF's REAL `train_ppo_ray` loop, on CPU.
 
 Everything a GPU run goes through runs here for real: the `stare train` driver (run folder, prompt file,
 `launch`), Ray 2.55 (placement groups, actor groups, the single-controller trainer), vLLM's CPU build as the

@@ -1,4 +1,4 @@
-"""The STARE plugin inside OpenRLHF 0.11.2's real ActorPPOTrainer, on the CPU with a tiny random Llama.
+"""The STARE plugin inside the pinned OpenRLHF's real ActorPPOTrainer, on the CPU with a tiny random Llama.
 
 OpenRLHF is installed without flash-attn and vLLM; stand-ins for those two modules exist in this test process
 only. DeepSpeed's engine is replaced by a small strategy object that does what DeepSpeed does to the loss
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -126,16 +127,16 @@ def _install(trainer):
 
 
 def test_plugin_refuses_other_openrlhf_versions():
-    with pytest.raises(plugin.OpenRLHFVersionError, match=r"0\.11\.2.*found 0\.11\.0"):
-        plugin.check_openrlhf_version("0.11.0")
-    assert plugin.check_openrlhf_version() == "0.11.2"
+    with pytest.raises(plugin.OpenRLHFVersionError, match=re.escape(plugin.OPENRLHF_VERSION) + ".*found 0\\.0\\.1"):
+        plugin.check_openrlhf_version("0.0.1")
+    assert plugin.check_openrlhf_version() == plugin.OPENRLHF_VERSION
 
 
 def test_loss_arity_is_the_pinned_versions():
     loss = plugin.StarePolicyLoss.from_parsed(compat.PolicyLoss())
     x = torch.zeros(2, 3)
     out = loss(x, x, torch.ones(2, 3), action_mask=torch.ones(2, 3))
-    assert len(out) == 5  # 0.11.2 returns (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)
+    assert len(out) == 5  # the pinned release returns (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)
 
 
 def test_gate_off_equals_openrlhfs_own_loss_bit_for_bit(monkeypatch):

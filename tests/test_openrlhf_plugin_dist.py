@@ -1,7 +1,7 @@
 """The plugin's collectives across two real processes (a gloo group on the CPU), against one process holding
 every sample.
 
-Two processes each build OpenRLHF 0.11.2's real ``ActorPPOTrainer`` with the plugin (tiny random Llama, as in
+Two processes each build the pinned OpenRLHF's real ``ActorPPOTrainer`` with the plugin (tiny random Llama, as in
 test_openrlhf_plugin.py) and split the step's 8 samples unevenly. Checked: every rank runs the same number of
 forwards (ZeRO-3 lockstep) when they hold different numbers of samples; the all-reduced gate entropy and the
 telemetry equal the single-process numbers; global-scope weights equal those of one process holding

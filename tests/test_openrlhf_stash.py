@@ -1,6 +1,6 @@
 """Entropy and Phi from OpenRLHF's own old-log-prob forward, stashed per sample and used by ``ppo_train``.
 
-OpenRLHF 0.11.2's real ``Actor`` and ``ActorPPOTrainer`` on the CPU with a tiny random Llama (see
+The pinned OpenRLHF's real ``Actor`` and ``ActorPPOTrainer`` on the CPU with a tiny random Llama (see
 test_openrlhf_plugin.py). The references are computed here by brute force from the model's logits.
 """
 from __future__ import annotations

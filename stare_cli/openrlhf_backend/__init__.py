@@ -1,4 +1,4 @@
-"""The OpenRLHF 0.11.2 backend: GPU presets run as OpenRLHF Ray PPO jobs with STARE plugged in.
+"""The OpenRLHF backend (the release pinned by ``OPENRLHF_VERSION``): GPU presets run as OpenRLHF Ray PPO jobs with STARE plugged in.
 
 - ``argv``: preset settings + algorithm -> the exact argument list for ``openrlhf.cli.train_ppo_ray`` and the
   STARE settings that travel to the workers in an environment variable (pure; no OpenRLHF import).
@@ -23,7 +23,7 @@ class OpenRLHFVersionError(RuntimeError):
 
 
 def check_openrlhf_version(found: str | None = None) -> str:
-    """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly 0.11.2."""
+    """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly ``OPENRLHF_VERSION``."""
     if found is None:
         try:
             found = version("openrlhf")

@@ -1,4 +1,4 @@
-"""Test-only patches that let OpenRLHF 0.11.2's real ``train_ppo_ray`` loop run on a CPU-only machine.
+"""Test-only patches that let the pinned OpenRLHF's real ``train_ppo_ray`` loop run on a CPU-only machine.
 
 Used by ``tests/test_openrlhf_e2e.py`` only. The product (``stare_cli/``) never patches OpenRLHF: on GPUs it runs
 OpenRLHF as released. ``sitecustomize.py`` beside this file installs the patches at interpreter start-up in every
