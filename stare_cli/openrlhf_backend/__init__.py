@@ -1,4 +1,5 @@
-"""The OpenRLHF backend (the release pinned by ``OPENRLHF_VERSION``): GPU presets run as OpenRLHF Ray PPO jobs with STARE plugged in.
+"""The OpenRLHF backend: GPU presets run as Ray PPO jobs of the pinned OpenRLHF (``OPENRLHF_VERSION``), with
+STARE plugged in.
 
 - ``argv``: preset settings + algorithm -> the exact argument list for ``openrlhf.cli.train_ppo_ray`` and the
   STARE settings that travel to the workers in an environment variable (pure; no OpenRLHF import).

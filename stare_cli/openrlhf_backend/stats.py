@@ -80,10 +80,10 @@ def dp_group(strategy):
     return mesh["dp"].get_group() if mesh is not None else dist.group.WORLD
 
 
-def all_reduce(t: torch.Tensor, group, op=None) -> torch.Tensor:
-    """``t`` all-reduced in place over ``group`` (sum unless ``op``); unchanged when not distributed."""
+def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` replaced in place by its maximum over ``group``; unchanged when not distributed."""
     if group is not None:
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
@@ -213,8 +213,7 @@ class Stash:
         missing = [i for i, r in enumerate(out) if r is None]
         # one small all-reduce decides, on every rank alike, whether any rank misses a sample
         group = dp_group(self.trainer.strategy)
-        any_missing = all_reduce(torch.tensor([len(missing)], device=device), group,
-                                 dist.ReduceOp.MAX if dist.is_available() else None)
+        any_missing = all_reduce_max(torch.tensor([len(missing)], device=device), group)
         if int(any_missing.item()) > 0:
             if group is not None and dist.get_world_size(group) > 1:
                 got = self._exchange([keys[i] for i in missing], group, need_phi)
@@ -290,8 +289,7 @@ class Stash:
             groups = [list(range(i, min(i + size, len(items)))) for i in range(0, len(items), size)]
         device = model_device(trainer.actor)
         # ZeRO-3 gathers parameters inside forward: every rank must run the same number of forwards.
-        n_passes = int(all_reduce(torch.tensor([len(groups)], device=device), dp_group(trainer.strategy),
-                                  dist.ReduceOp.MAX if dist.is_available() else None).item())
+        n_passes = int(all_reduce_max(torch.tensor([len(groups)], device=device), dp_group(trainer.strategy)).item())
         out: list = [None] * len(items)
         was_training = trainer.actor.training
         trainer.actor.eval()
