@@ -1,4 +1,4 @@
-# GPU image for cloud nodes: OpenRLHF 0.11.2 with vLLM, DeepSpeed and flash-attn, plus stare.
+# GPU image for cloud nodes: OpenRLHF (pinned below) with vLLM, DeepSpeed and flash-attn, plus stare.
 # The pinned versions below must equal pyproject.toml's `openrlhf` extra (a test compares them); `hadolint
 # --failure-threshold warning Dockerfile` must pass (a test runs it).
 # Build: docker build -t stare:0.1.0 .      Run: docker run --gpus all --ipc=host stare:0.1.0 presets

@@ -23,7 +23,7 @@ beside the chunked one, compiled in the warm-up (and, for its memory, on a toy i
 With ``--kernel cpp`` (CPU) a ``cpp`` row adds ``entropy_sensitivity(..., kernel="cpp")``, the C++ loop (built or
 loaded from its cache on a toy input first; it runs on one thread whatever torch's thread count).
 
-A third row, ``full-grad``, is the entropy path OpenRLHF 0.11.2 takes in training when ``--actor.entropy_coef``
+A third row, ``full-grad``, is the entropy path the pinned OpenRLHF takes in training when ``--actor.entropy_coef``
 is set: full-vocabulary float32 softmax entropy inside the autograd graph (what the STARE plugin avoids). It is
 reported beside the others, without a target.
 

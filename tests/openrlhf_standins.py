@@ -1,4 +1,4 @@
-"""Stand-ins for ``flash_attn`` and ``vllm``, so OpenRLHF 0.11.2's trainer modules import on a CPU machine.
+"""Stand-ins for ``flash_attn`` and ``vllm``, so the pinned OpenRLHF's trainer modules import on a CPU machine.
 
 Only tests use this (installed into ``sys.modules`` of the test process). Each stand-in raises if it is
 ever called: the code paths the tests run must not reach flash-attn kernels or a vLLM engine.
@@ -65,7 +65,7 @@ def install(modules=MODULES) -> None:
 
 
 def openrlhf_args(agg: str = "token-mean", clip=(0.2, 0.28), dual_clip=10.0):
-    """The slice of OpenRLHF 0.11.2's parsed arguments its ``ActorPPOTrainer`` and ``PolicyLoss`` read, as the
+    """The slice of the pinned OpenRLHF's parsed arguments its ``ActorPPOTrainer`` and ``PolicyLoss`` read, as the
     tests and benchmarks/bench_plugin_step.py build their trainers."""
     from types import SimpleNamespace as ns
 

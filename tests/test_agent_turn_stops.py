@@ -1,5 +1,5 @@
 """Where a training turn stops: the OpenRLHF agent file (``--train.agent_func_path``) against an engine that
-behaves like vLLM 0.29.0 behind OpenRLHF 0.11.2's rollout actor.
+behaves like vLLM 0.29.0 behind the pinned OpenRLHF's rollout actor.
 
 What the stand-ins copy from the real packages (read from their source):
 

@@ -1,5 +1,5 @@
-"""Every GPU preset x algorithm: the argument list `stare train --dry-run` prints is accepted by OpenRLHF
-0.11.2's own parser and its argument checks (its train_ppo_ray module run for real, stopped at ray.init)."""
+"""Every GPU preset x algorithm: the argument list `stare train --dry-run` prints is accepted by the pinned
+OpenRLHF's own parser and its argument checks (its train_ppo_ray module run for real, stopped at ray.init)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The entropy baselines (Clip-Cov, KL-Cov, 80/20) inside OpenRLHF 0.11.2's real ``ppo_train``, on the CPU.
+"""The entropy baselines (Clip-Cov, KL-Cov, 80/20) inside the pinned OpenRLHF's real ``ppo_train``, on the CPU.
 
 The same set-up as test_openrlhf_plugin.py (tiny random Llama, OpenRLHF's own ``ActorPPOTrainer``, a strategy
 that accumulates the whole step's gradient). Each baseline's gradient is compared with a loss written out here
@@ -19,6 +19,7 @@ pytest.importorskip("deepspeed")
 import test_openrlhf_plugin as base  # noqa: E402  (installs the flash-attn / vLLM stand-ins)
 import test_openrlhf_stash as stash_tests  # noqa: E402
 
+from stare.algorithms import clip_cov_seed  # noqa: E402
 from stare.cli.openrlhf_backend import plugin  # noqa: E402
 
 B, RESP = base.B, base.RESP
@@ -108,20 +109,20 @@ def _run_step(monkeypatch, algo, agg, exp, *, stash=False, seed=7, steps_before=
     args.train.seed = seed
     model = base._model()
     trainer = base._install(base._trainer(monkeypatch, model, args, gas=B // 2))
-    trainer.stare_steps = steps_before
+    trainer.stare.steps = steps_before
     if stash:  # the old log-probs from the plugin's forward, which stashes each sample's entropy
         exp = stash_tests._old_experience(trainer, exp)
     trainer.replay_buffer.append(copy.deepcopy(exp))
     rows, coefs = {}, {}
-    real = trainer.stare_prepare_step
+    real = trainer.stare.prepare_step
 
     def spy():
         metrics = real()
-        rows.update({u: None if w is None else w.clone() for u, (w, _) in trainer._stare_rows.items()})
-        coefs.update({u: c.clone() for u, c in trainer._stare_penalty_rows.items()})
+        rows.update({u: None if w is None else w.clone() for u, (w, _) in trainer.stare.rows.items()})
+        coefs.update({u: c.clone() for u, c in trainer.stare.penalty_rows.items()})
         return metrics
 
-    trainer.stare_prepare_step = spy
+    trainer.stare.prepare_step = spy
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     status = trainer.ppo_train(0.0)
     return model, trainer, status, rows, coefs
@@ -207,20 +208,20 @@ def test_clip_cov_reproduces_per_seed_rank_and_step(monkeypatch):
     assert torch.equal(first, mask(seed=7))  # the same run again: the same tokens
     assert not torch.equal(first, mask(seed=8))  # another seed
     assert not torch.equal(first, mask(seed=7, steps_before=1))  # the next step draws afresh
-    assert plugin.clip_cov_seed(7, 0, 0) != plugin.clip_cov_seed(7, 1, 0)  # ranks draw their own keys
+    assert clip_cov_seed(7, 0, 0) != clip_cov_seed(7, 1, 0)  # ranks draw their own keys
 
 
 def test_clip_cov_step_count_is_saved_with_the_checkpoint(monkeypatch, tmp_path):
     exp = base._experience(base._model())
     _, a, _, _, _ = _run_step(monkeypatch, "clip-cov", "token-mean", exp, telemetry="off")
-    assert a.stare_steps == 1
+    assert a.stare.steps == 1
     (tmp_path / "_actor").mkdir()
     (tmp_path / "_actor" / "latest").write_text("global_step1")
     plugin.save_stare_state(a, str(tmp_path), "global_step1", keep=2)
     b = base._install(base._trainer(monkeypatch, base._model(), base._args()))
-    assert b.stare_steps == 0
+    assert b.stare.steps == 0
     plugin.load_stare_state(b, str(tmp_path))
-    assert b.stare_steps == 1
+    assert b.stare.steps == 1
 
 
 @pytest.mark.parametrize("agg", AGGS)

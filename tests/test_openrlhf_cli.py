@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from stare.cli.openrlhf_backend import OPENRLHF_VERSION
 from stare.cli.presets import PresetError, parse_preset
 
 
@@ -98,12 +99,12 @@ def test_gpu_preset_file_validation(edit, pattern):
 def test_another_openrlhf_version_is_refused_before_anything_is_written(tmp_path):
     code = ("import importlib.metadata as md\n"
             "real = md.version\n"
-            "md.version = lambda n: '0.11.0' if n == 'openrlhf' else real(n)\n"
+            "md.version = lambda n: '0.0.1' if n == 'openrlhf' else real(n)\n"
             "from stare.cli.main import main; main()\n")
     res = subprocess.run([sys.executable, "-c", code, "train", "--preset", "qwen-7b-short-cot", "--out", "run"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert res.returncode == 1, res.stderr
-    assert "written against openrlhf==0.11.2, found 0.11.0" in res.stderr and "Traceback" not in res.stderr
+    assert f"written against openrlhf=={OPENRLHF_VERSION}, found 0.0.1" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
 
 

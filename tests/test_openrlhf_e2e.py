@@ -1,4 +1,4 @@
-"""`stare train --preset qwen-7b-short-cot` through OpenRLHF 0.11.2's REAL `train_ppo_ray` loop, on CPU.
+"""`stare train --preset qwen-7b-short-cot` through the pinned OpenRLHF's REAL `train_ppo_ray` loop, on CPU.
 
 Everything a GPU run goes through runs here for real: the `stare train` driver (run folder, prompt file,
 `launch`), Ray 2.55 (placement groups, actor groups, the single-controller trainer), vLLM's CPU build as the
@@ -508,7 +508,7 @@ def test_each_cpu_patch_applies_to_the_installed_packages(tmp_path):
     log = tmp_path / "patches.log"
     code = ("import torch, openrlhf_cpu_patches as p, openrlhf.utils.deepspeed.deepspeed, "
             "openrlhf.trainer.ppo_utils.replay_buffer, openrlhf.trainer.ray.vllm_worker_wrap, "
-            "openrlhf.trainer.ppo_trainer, vllm.v1.attention.backends.cpu_attn, stare.cli.openrlhf_backend.plugin, "
+            "openrlhf.trainer.ppo_trainer, vllm.v1.attention.backends.cpu_attn, stare.cli.openrlhf_backend.actor, "
             "stare.cli.openrlhf_backend.launch\n"
             "from openrlhf.utils import distributed_util as d\n"
             "assert torch.cuda.current_device() == 'cpu' and isinstance(d.stateless_init_process_group("

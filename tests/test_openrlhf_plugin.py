@@ -1,4 +1,4 @@
-"""The STARE plugin inside OpenRLHF 0.11.2's real ActorPPOTrainer, on the CPU with a tiny random Llama.
+"""The STARE plugin inside the pinned OpenRLHF's real ActorPPOTrainer, on the CPU with a tiny random Llama.
 
 OpenRLHF is installed without flash-attn and vLLM; stand-ins for those two modules exist in this test process
 only. DeepSpeed's engine is replaced by a small strategy object that does what DeepSpeed does to the loss
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,7 @@ from openrlhf.trainer.ray import ppo_actor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from stare.algorithms import get_algorithm  # noqa: E402
-from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend import compat, plugin  # noqa: E402
 from stare.cli.openrlhf_backend.argv import SETTINGS_ENV  # noqa: E402
 
 V, PROMPT, RESP, B = 48, 4, 7, 8  # vocabulary, prompt length, longest response, sequences
@@ -126,16 +127,16 @@ def _install(trainer):
 
 
 def test_plugin_refuses_other_openrlhf_versions():
-    with pytest.raises(plugin.OpenRLHFVersionError, match=r"0\.11\.2.*found 0\.11\.0"):
-        plugin.check_openrlhf_version("0.11.0")
-    assert plugin.check_openrlhf_version() == "0.11.2"
+    with pytest.raises(plugin.OpenRLHFVersionError, match=re.escape(plugin.OPENRLHF_VERSION) + ".*found 0\\.0\\.1"):
+        plugin.check_openrlhf_version("0.0.1")
+    assert plugin.check_openrlhf_version() == plugin.OPENRLHF_VERSION
 
 
 def test_loss_arity_is_the_pinned_versions():
-    loss = plugin.StarePolicyLoss.from_parsed(plugin.PolicyLoss())
+    loss = plugin.StarePolicyLoss.from_parsed(compat.PolicyLoss())
     x = torch.zeros(2, 3)
     out = loss(x, x, torch.ones(2, 3), action_mask=torch.ones(2, 3))
-    assert len(out) == 5  # 0.11.2 returns (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)
+    assert len(out) == 5  # the pinned release returns (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)
 
 
 def test_gate_off_equals_openrlhfs_own_loss_bit_for_bit(monkeypatch):
@@ -153,7 +154,7 @@ def test_gate_off_equals_openrlhfs_own_loss_bit_for_bit(monkeypatch):
     for key in ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type"):
         assert getattr(ours.actor_loss_fn, key) == getattr(ref.actor_loss_fn, key)
     ours.replay_buffer.append(copy.deepcopy(exp))
-    metrics = ours.stare_prepare_step()
+    metrics = ours.stare.prepare_step()
     assert metrics["stare/gate_on"] == 0.0
     status = ours.training_step(copy.deepcopy(exp), 0.0, 0)
     assert torch.equal(status["metrics"]["policy_loss"], status_ref["metrics"]["policy_loss"])
@@ -286,19 +287,19 @@ def test_controller_state_is_saved_with_the_checkpoint_and_restored(monkeypatch,
     for _ in range(3):
         a.replay_buffer.items.clear()
         a.replay_buffer.append(copy.deepcopy(exp))
-        a.stare_prepare_step()
-    assert a.stare_controller.w == pytest.approx(1.1 + 3 * 0.05)
+        a.stare.prepare_step()
+    assert a.stare.controller.w == pytest.approx(1.1 + 3 * 0.05)
     (tmp_path / "_actor").mkdir()
     (tmp_path / "_actor" / "latest").write_text("global_step3")
     plugin.save_stare_state(a, str(tmp_path), "global_step3", keep=2)
     b = _install(_trainer(monkeypatch, _model(), args))
-    assert b.stare_controller.w == pytest.approx(1.1)
+    assert b.stare.controller.w == pytest.approx(1.1)
     assert plugin.load_stare_state(b, str(tmp_path)) == "global_step3"
-    assert b.stare_controller.w == pytest.approx(a.stare_controller.w)
-    assert b.stare_prev == a.stare_prev
+    assert b.stare.controller.w == pytest.approx(a.stare.controller.w)
+    assert b.stare.prev == a.stare.prev
     # the next step's measured entropy change is against the restored previous entropy
     b.replay_buffer.append(copy.deepcopy(exp))
-    metrics = b.stare_prepare_step()
+    metrics = b.stare.prepare_step()
     assert metrics["stare/entropy_change"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -308,10 +309,10 @@ def test_baselines_get_telemetry_and_openrlhfs_loss(monkeypatch):
     exp = _experience(_model())
     ours = _install(_trainer(monkeypatch, _model(), args))
     ours.replay_buffer.append(copy.deepcopy(exp))
-    metrics = ours.stare_prepare_step()
+    metrics = ours.stare.prepare_step()
     assert "stare/gate_on" not in metrics and metrics["stare/mean_weight"] == 1.0
     assert metrics["stare/entropy"] > 0
-    assert ours._stare_batch_weights(exp, torch.arange(B)) is None
+    assert ours.stare.batch_weights(exp, torch.arange(B)) is None
 
 
 def test_token_budget_groups_give_the_same_entropy_within_half_the_budget(monkeypatch):
@@ -319,7 +320,7 @@ def test_token_budget_groups_give_the_same_entropy_within_half_the_budget(monkey
     _settings_env(monkeypatch, "stare", target_entropy=100.0)
     plain = _install(_trainer(monkeypatch, _model(), _args()))
     plain.replay_buffer.append(copy.deepcopy(exp))
-    expected = plain.stare_prepare_step()
+    expected = plain.stare.prepare_step()
     args = _args()
     args.train.dynamic_batch_enable, args.train.max_tokens_per_gpu = True, 40
     packed = _install(_trainer(monkeypatch, _model(), args))
@@ -332,7 +333,7 @@ def test_token_budget_groups_give_the_same_entropy_within_half_the_budget(monkey
         return real(self, sequences, *a, **k)
 
     monkeypatch.setattr(type(packed.actor), "forward", spy)
-    got = packed.stare_prepare_step()
+    got = packed.stare.prepare_step()
     assert sum(b for b, _ in shapes) == B and len(shapes) > 1
     assert all(b * t <= 20 or b == 1 for b, t in shapes)
     for key in ("stare/entropy", "stare/entropy_forecast", "stare/positive_reweight_ratio", "stare/pos_low_share"):

@@ -1,7 +1,7 @@
 """The plugin's collectives across two real processes (a gloo group on the CPU), against one process holding
 every sample.
 
-Two processes each build OpenRLHF 0.11.2's real ``ActorPPOTrainer`` with the plugin (tiny random Llama, as in
+Two processes each build the pinned OpenRLHF's real ``ActorPPOTrainer`` with the plugin (tiny random Llama, as in
 test_openrlhf_plugin.py) and split the step's 8 samples unevenly. Checked: every rank runs the same number of
 forwards (ZeRO-3 lockstep) when they hold different numbers of samples; the all-reduced gate entropy and the
 telemetry equal the single-process numbers; global-scope weights equal those of one process holding
@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed")
 import test_openrlhf_plugin as base  # noqa: E402  (installs the flash-attn / vLLM stand-ins)
 from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch  # noqa: E402
 
-from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend import plugin, stats  # noqa: E402
 
 B = base.B
 # (forward chunk: whose old-log-prob forward stashed which samples, buffer: who trains on which samples)
@@ -44,22 +44,22 @@ def _items(exp):
 
 def _run(trainer, exp, stash, buffer):
     """Stash the given samples via the old-log-prob forward, fill the buffer, prepare the step."""
-    trainer._stare_stash_clear()
+    trainer.stare.stash.clear()
     if stash:
         idx = torch.tensor(stash)
-        trainer.stare_old_log_probs(exp.sequences[idx], exp.action_mask[idx], exp.attention_mask[idx])
+        trainer.stare.stash.old_log_probs(exp.sequences[idx], exp.action_mask[idx], exp.attention_mask[idx])
     items = _items(exp)
     trainer.replay_buffer.items = [items[i] for i in buffer]
     forwards = []
     real = type(trainer.actor).forward
     trainer.actor.forward = lambda *a, **k: forwards.append(1) or real(trainer.actor, *a, **k)
     try:
-        metrics = trainer.stare_prepare_step()
+        metrics = trainer.stare.prepare_step()
     finally:
         del trainer.actor.forward
-    weights = {buffer[uid]: w.tolist() for uid, (w, _) in trainer._stare_rows.items()}
+    weights = {buffer[uid]: w.tolist() for uid, (w, _) in trainer.stare.rows.items()}
     return {"metrics": metrics, "forwards": len(forwards), "weights": weights,
-            "report": dict(trainer.stare_stash_report)}
+            "report": dict(trainer.stare.stash.report)}
 
 
 def _plugin_trainer(mp):
@@ -194,11 +194,11 @@ def _ring_worker(rank, world, port, out_dir):
         trainer.actor.packing_samples = True  # (set by Actor only when it loads the model itself)
         trainer.strategy.ring_attn_group = dist.group.WORLD
         assert int(exp.attention_mask.sum()) % world != 0  # the ring pads the packed sequence
-        lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+        lp = trainer.stare.stash.old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
         rows = {}
         for b in range(base.B):
-            key, _ = plugin._sample_key(exp.sequences[b], exp.attention_mask[b])
-            _, ent, phi = trainer._stare_stash[key]
+            key, _ = stats.sample_key(exp.sequences[b], exp.attention_mask[b])
+            _, ent, phi = trainer.stare.stash.rows[key]
             rows[b] = (ent.tolist(), phi.tolist())
         torch.save({"lp": lp, "rows": rows}, os.path.join(out_dir, f"ring{rank}.pt"))
         dist.barrier()
@@ -244,13 +244,13 @@ def _baseline_rows(mp, algo, stash, buffer):
     trainer = base._install(base._trainer(mp, base._model(), base._args()))
     if stash:
         idx = torch.tensor(stash)
-        trainer.stare_old_log_probs(exp.sequences[idx], exp.action_mask[idx], exp.attention_mask[idx])
+        trainer.stare.stash.old_log_probs(exp.sequences[idx], exp.action_mask[idx], exp.attention_mask[idx])
     items = _items(exp)
     trainer.replay_buffer.items = [items[i] for i in buffer]
-    metrics = trainer.stare_prepare_step()
-    weights = {buffer[u]: None if w is None else w.tolist() for u, (w, _) in trainer._stare_rows.items()}
-    coefs = {buffer[u]: c.tolist() for u, c in trainer._stare_penalty_rows.items()}
-    return {"weights": weights, "coefs": coefs, "metrics": metrics, "report": dict(trainer.stare_stash_report)}
+    metrics = trainer.stare.prepare_step()
+    weights = {buffer[u]: None if w is None else w.tolist() for u, (w, _) in trainer.stare.rows.items()}
+    coefs = {buffer[u]: c.tolist() for u, c in trainer.stare.penalty_rows.items()}
+    return {"weights": weights, "coefs": coefs, "metrics": metrics, "report": dict(trainer.stare.stash.report)}
 
 
 def test_baselines_select_over_both_ranks_as_one_process_would(two_ranks):

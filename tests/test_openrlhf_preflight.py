@@ -1,4 +1,4 @@
-"""What OpenRLHF 0.11.2 would assert (or hang on) at run time, refused up front by `stare train` (and `--dry-run`):
+"""What the pinned OpenRLHF would assert (or hang on) at run time, refused up front by `stare train` (and `--dry-run`):
 one line naming our settings, exit 2. Each refusal is confirmed against OpenRLHF's (or DeepSpeed's) own code run
 on the same numbers: the check refuses what that code fails on, and accepts the boundary case it accepts.
 

@@ -14,7 +14,7 @@ PROMPT = "<|im_start|>user\nWhat is 33?\nPlease reason step by step, and put you
 
 
 def load_reward_module():
-    """Exactly how OpenRLHF 0.11.2 loads --reward.remote_url FILE.py (spec_from_file_location)."""
+    """Exactly how the pinned OpenRLHF loads --reward.remote_url FILE.py (spec_from_file_location)."""
     spec = importlib.util.spec_from_file_location("reward_func", str(orl.REWARD_FILE))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """Entropy and Phi from OpenRLHF's own old-log-prob forward, stashed per sample and used by ``ppo_train``.
 
-OpenRLHF 0.11.2's real ``Actor`` and ``ActorPPOTrainer`` on the CPU with a tiny random Llama (see
+The pinned OpenRLHF's real ``Actor`` and ``ActorPPOTrainer`` on the CPU with a tiny random Llama (see
 test_openrlhf_plugin.py). The references are computed here by brute force from the model's logits.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ import test_openrlhf_plugin as base  # noqa: E402  (installs the flash-attn / vL
 from openrlhf.models import ring_attn_utils  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 
-from stare.cli.openrlhf_backend import plugin  # noqa: E402
+from stare.cli.openrlhf_backend import actor as seam_actor  # noqa: E402
+from stare.cli.openrlhf_backend import plugin, stats, step  # noqa: E402
 
 B, PROMPT, RESP = base.B, base.PROMPT, base.RESP
 
@@ -43,20 +44,20 @@ def _stats_from_rows(z, actions):
 def _old_experience(trainer, exp):
     """The experience as the driver builds it: old log-probs from the plugin's forward (which stashes)."""
     e = copy.deepcopy(exp)
-    lp = trainer.stare_old_log_probs(e.sequences, e.action_mask, e.attention_mask)
+    lp = trainer.stare.stash.old_log_probs(e.sequences, e.action_mask, e.attention_mask)
     e.action_log_probs = lp.detach() * e.action_mask
     return e
 
 
 def _fail_extra_pass(monkeypatch):
     calls = []
-    real = plugin.StareActorTrainer._stare_old_policy_stats
+    real = stats.Stash.recompute
 
     def spy(self, items, spare=None):
         calls.append(len(items))
         return real(self, items, spare)
 
-    monkeypatch.setattr(plugin.StareActorTrainer, "_stare_old_policy_stats", spy)
+    monkeypatch.setattr(stats.Stash, "recompute", spy)
     return calls
 
 
@@ -69,26 +70,26 @@ def test_the_old_log_prob_forward_is_openrlhfs_and_its_stash_serves_the_step(mon
     with torch.no_grad():
         own = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
     e = _old_experience(trainer, exp)
-    assert torch.equal(trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask), own)
-    assert len(trainer._stare_stash) == B
+    assert torch.equal(trainer.stare.stash.old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask), own)
+    assert len(trainer.stare.stash.rows) == B
     # the buffer splits the batch and strips the right padding; the stash still finds every sample
     trainer.replay_buffer.append(e)
     calls = _fail_extra_pass(monkeypatch)
-    stats = trainer._stare_step_stats(trainer.replay_buffer.items)
-    assert calls == [] and trainer.stare_stash_report["recomputed"] == 0
+    found = trainer.stare.stash.step_stats(trainer.replay_buffer.items)
+    assert calls == [] and trainer.stare.stash.report["recomputed"] == 0
     h, _, phi = _brute(model, exp)
-    for b, (ent_b, phi_b) in enumerate(stats):
+    for b, (ent_b, phi_b) in enumerate(found):
         n = int(exp.attention_mask[b].sum()) - PROMPT  # the response length without right padding
         assert ent_b.shape == (n,) and phi_b.shape == (n,)
         assert torch.allclose(ent_b.double(), h[b, :n], atol=2e-5), b
         assert torch.allclose(phi_b.double(), phi[b, :n], atol=2e-5), b
     # and the step's metrics equal the extra pass's (the old code path) on a trainer without a stash
-    got = trainer.stare_prepare_step()
+    got = trainer.stare.prepare_step()
     other = base._install(base._trainer(monkeypatch, base._model(), base._args()))
     other.replay_buffer.append(copy.deepcopy(e))
-    expected = other.stare_prepare_step()
+    expected = other.stare.prepare_step()
     assert calls == [B]  # only the trainer without a stash ran the extra pass
-    assert other.stare_stash_report["recomputed"] == B
+    assert other.stare.stash.report["recomputed"] == B
     for key in ("stare/entropy", "stare/entropy_forecast", "stare/pos_low_contrib", "stare/positive_reweight_ratio"):
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
     assert got["stare/entropy"] == pytest.approx(float((h * exp.action_mask).sum() / exp.action_mask.sum()), rel=1e-5)
@@ -104,7 +105,7 @@ def test_the_stash_never_serves_a_row_from_before_an_update(monkeypatch):
     e = _old_experience(trainer, exp)
     trainer.replay_buffer.append(copy.deepcopy(e))
     status1 = trainer.ppo_train(0.0)
-    assert status1["stare/stash_recomputed"] == 0.0 and trainer._stare_stash == {}
+    assert status1["stare/stash_recomputed"] == 0.0 and trainer.stare.stash.rows == {}
     h1, _, _ = _brute(model, exp)
     mask = exp.action_mask.double()
     assert status1["stare/entropy"] == pytest.approx(float((h1 * mask).sum() / mask.sum()), rel=1e-5)
@@ -123,12 +124,12 @@ def test_the_stash_never_serves_a_row_from_before_an_update(monkeypatch):
     # a row stashed and then invalidated by an update is not used even if it is still in the dict
     trainer.replay_buffer.items.clear()
     e3 = _old_experience(trainer, exp)
-    stale = dict(trainer._stare_stash)
-    trainer._stare_stash_clear()
-    trainer._stare_stash.update(stale)  # older version
+    stale = dict(trainer.stare.stash.rows)
+    trainer.stare.stash.clear()
+    trainer.stare.stash.rows.update(stale)  # older version
     trainer.replay_buffer.append(e3)
-    trainer.stare_prepare_step()
-    assert trainer.stare_stash_report["recomputed"] == B
+    trainer.stare.prepare_step()
+    assert trainer.stare.stash.report["recomputed"] == B
 
 
 @pytest.mark.parametrize("kernel", ["torch", "compiled", "cpp"])
@@ -144,7 +145,7 @@ def test_statistics_come_from_the_models_own_logits_at_the_rollout_temperature(m
     with torch.no_grad():
         own = trainer.actor(exp.sequences, exp.action_mask, exp.attention_mask)
     hooks_before = dict(trainer.actor.model._forward_hooks)
-    log_probs, ent, phi = trainer._stare_forward_stats(exp.sequences, exp.action_mask, exp.attention_mask)
+    log_probs, ent, phi = trainer.stare.stash.forward_stats(exp.sequences, exp.action_mask, exp.attention_mask)
     assert torch.equal(log_probs, own)
     assert dict(trainer.actor.model._forward_hooks) == hooks_before
     with torch.no_grad():
@@ -168,17 +169,17 @@ def test_telemetry_setting_limits_what_is_computed(monkeypatch, algo):
     over = {} if algo == "grpo" else {"target_entropy": 100.0} if algo == "stare" else {"band_low": 99.0,
                                                                                          "band_high": 100.0}
     results = {}
-    real = plugin.entropy_sensitivity
+    real = stats.entropy_sensitivity
     for mode in ("full", "entropy", "off"):
         base._settings_env(monkeypatch, algo, telemetry=mode, **over)
         trainer = base._install(base._trainer(monkeypatch, base._model(), base._args()))
         calls = []
-        monkeypatch.setattr(plugin, "entropy_sensitivity", lambda *a, **k: calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(stats, "entropy_sensitivity", lambda *a, **k: calls.append(1) or real(*a, **k))
         e = _old_experience(trainer, exp)
         trainer.replay_buffer.append(e)
-        metrics = trainer.stare_prepare_step()
-        stash_phi = {v[2] is None for v in trainer._stare_stash.values()}
-        weights = [trainer._stare_rows[u][0] for u in sorted(trainer._stare_rows)]
+        metrics = trainer.stare.prepare_step()
+        stash_phi = {v[2] is None for v in trainer.stare.stash.rows.values()}
+        weights = [trainer.stare.rows[u][0] for u in sorted(trainer.stare.rows)]
         results[mode] = (metrics, calls, stash_phi, weights)
     full, ent, off = results["full"], results["entropy"], results["off"]
     assert "stare/entropy_forecast" in full[0] and "stare/pos_low_share" in full[0]
@@ -244,7 +245,7 @@ def test_packed_forward_stashes_the_statistics_of_the_packed_rows(monkeypatch):
     args.ds.packing_samples = True
     trainer = base._install(base._trainer(monkeypatch, base._model(), args))
     trainer.actor.packing_samples = True
-    lp = trainer.stare_old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
+    lp = trainer.stare.stash.old_log_probs(exp.sequences, exp.action_mask, exp.attention_mask)
     # the reference: the same packed forward done here, row by row, mapped back by hand
     attn = exp.attention_mask
     idx = attn.flatten().nonzero().flatten()
@@ -258,8 +259,8 @@ def test_packed_forward_stashes_the_statistics_of_the_packed_rows(monkeypatch):
     for b in range(B):
         left = int((attn[b] == 0).long().cumprod(0).sum())
         n_resp = int(exp.action_mask[b].sum())
-        key, _ = plugin._sample_key(exp.sequences[b], attn[b])
-        _, ent, phi = trainer._stare_stash[key]
+        key, _ = stats.sample_key(exp.sequences[b], attn[b])
+        _, ent, phi = trainer.stare.stash.rows[key]
         assert ent.shape[0] == n_resp
         for j in range(n_resp):
             t = T - 1 - RESP + j  # the logits row of action j in the padded grid
@@ -274,8 +275,8 @@ def test_packed_forward_stashes_the_statistics_of_the_packed_rows(monkeypatch):
     e.action_log_probs = lp * exp.action_mask
     trainer.replay_buffer.append(e)
     calls = _fail_extra_pass(monkeypatch)
-    trainer.stare_prepare_step()
-    assert calls == [] and trainer.stare_stash_report["recomputed"] == 0
+    trainer.stare.prepare_step()
+    assert calls == [] and trainer.stare.stash.report["recomputed"] == 0
 
 
 def test_sample_key_matches_what_the_replay_buffer_keeps():
@@ -285,8 +286,8 @@ def test_sample_key_matches_what_the_replay_buffer_keeps():
     items = remove_padding_in_sequences(split_experience_batch(copy.deepcopy(exp)))
     keys = set()
     for b, item in enumerate(items):
-        key, right = plugin._sample_key(exp.sequences[b], exp.attention_mask[b])
-        assert plugin._sample_key(item.sequences, item.attention_mask) == (key, 0)
+        key, right = stats.sample_key(exp.sequences[b], exp.attention_mask[b])
+        assert stats.sample_key(item.sequences, item.attention_mask) == (key, 0)
         assert item.action_mask.shape[0] == RESP - right
         keys.add(key)
     assert len(keys) == B
@@ -304,9 +305,9 @@ def test_the_policy_actors_forward_returns_openrlhfs_and_stashes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     ours = host.forward(exp.sequences, exp.action_mask, exp.attention_mask)
     assert host.actor.training  # reset to training mode, as OpenRLHF's forward does
-    own = plugin._BasePolicyActor.forward(host, exp.sequences, exp.action_mask, exp.attention_mask)
+    own = seam_actor._BasePolicyActor.forward(host, exp.sequences, exp.action_mask, exp.attention_mask)
     assert torch.equal(ours, own) and ours.device.type == "cpu"
-    assert len(trainer._stare_stash) == B
+    assert len(trainer.stare.stash.rows) == B
     # a trainer that is not STARE's: OpenRLHF's forward unchanged
     plain = object.__new__(plugin.StarePolicyModelActor)
     plain.actor, plain.trainer, plain.strategy = trainer.actor, SimpleNamespace(), trainer.strategy
@@ -341,7 +342,7 @@ def test_micro_batch_scope_without_phi_selects_the_same_tokens(monkeypatch):
 
 
 def test_batch_keys_are_the_replay_buffers_keys():
-    """_sample_keys (one reduction for the batch, used by the old-log-prob forward) gives each row the key the
+    """sample_keys (one reduction for the batch, used by the old-log-prob forward) gives each row the key the
     replay buffer's unpadded sample has, and the right padding remove_padding_in_sequences strips."""
     from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch
 
@@ -350,18 +351,18 @@ def test_batch_keys_are_the_replay_buffers_keys():
     exp.sequences[1, -3:] = 0
     exp.action_mask[1, -3:] = False
     items = remove_padding_in_sequences(split_experience_batch(copy.deepcopy(exp)))
-    keys = plugin._sample_keys(exp.sequences, exp.attention_mask)
+    keys = stats.sample_keys(exp.sequences, exp.attention_mask)
     assert len(keys) == B
     for b, item in enumerate(items):
         key, right = keys[b]
-        assert plugin._sample_key(item.sequences, item.attention_mask) == (key, 0)
+        assert stats.sample_key(item.sequences, item.attention_mask) == (key, 0)
         assert item.sequences.shape[0] == exp.sequences.shape[1] - right
 
 
 def test_pad_rows_pads_each_row_to_the_width():
     rows = [torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0, 5.0, 6.0])]
-    out = plugin._pad_rows(rows, 5, 1.0)
+    out = step.pad_rows(rows, 5, 1.0)
     want = torch.tensor([[1, 2, 1, 1, 1], [3, 1, 1, 1, 1], [4, 5, 6, 1, 1]], dtype=torch.float32)
     assert torch.equal(out, want)
-    mask = plugin._pad_rows([torch.tensor([True, False]), torch.tensor([True])], 2, 0)
+    mask = step.pad_rows([torch.tensor([True, False]), torch.tensor([True])], 2, 0)
     assert mask.dtype == torch.bool and mask.tolist() == [[True, False], [True, False]]

@@ -39,6 +39,31 @@ def test_dockerfile_pins_equal_pyproject():
         assert docker.get(name) == wanted[name], f"{name}: Dockerfile {docker.get(name)} vs pyproject {wanted[name]}"
 
 
+
+def test_the_openrlhf_pin_is_one_version_everywhere():
+    """The OpenRLHF release the plugin checks for (``OPENRLHF_VERSION``) is the one every install pins: pyproject's
+    extra, the Dockerfile, the test scripts and the CPU environment's resolved set. An upgrade changes these files;
+    this names any it missed."""
+    from stare.cli.openrlhf_backend import OPENRLHF_VERSION
+
+    files = ("pyproject.toml", "Dockerfile", "scripts/test.sh", "scripts/vllm-cpu-env.sh",
+             "scripts/vllm-cpu-constraints.txt")
+    found = {f: sorted({m.group(2) for m in PIN.finditer((REPO / f).read_text()) if m.group(1).lower() == "openrlhf"})
+             for f in files}
+    wrong = {f: v for f, v in found.items() if v != [OPENRLHF_VERSION]}
+    assert not wrong, f"OPENRLHF_VERSION is {OPENRLHF_VERSION}, these files pin openrlhf otherwise: {wrong}"
+
+
+def test_the_openrlhf_backend_writes_the_version_once():
+    """Messages and docstrings of the backend read ``OPENRLHF_VERSION`` or say "the pinned OpenRLHF": the constant
+    is its only copy of the version."""
+    from stare.cli.openrlhf_backend import OPENRLHF_VERSION
+
+    backend = REPO / "stare_cli" / "openrlhf_backend"
+    counts = {p.name: p.read_text().count(OPENRLHF_VERSION) for p in sorted(backend.glob("*.py"))}
+    assert counts.pop("__init__.py") == 1
+    assert not {name: n for name, n in counts.items() if n}
+
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()

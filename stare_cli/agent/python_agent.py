@@ -36,9 +36,9 @@ import contextvars
 from copy import deepcopy
 
 import torch
-from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
 from stare.cli.agent.loop import ObservationFormat, ToolConfig, ToolEpisode, format_for
+from stare.cli.openrlhf_backend.compat import AgentInstanceBase, MultiTurnAgentExecutor
 
 # the current sample's turn recorder; execute() sets it, the agent instance it creates reads it (each sample runs in
 # its own asyncio task, so concurrent samples see their own)

@@ -1,19 +1,21 @@
-"""The OpenRLHF 0.11.2 backend: GPU presets run as OpenRLHF Ray PPO jobs with STARE plugged in.
+"""The OpenRLHF backend: GPU presets run as Ray PPO jobs of the pinned OpenRLHF (``OPENRLHF_VERSION``), with
+STARE plugged in.
 
 - ``argv``: preset settings + algorithm -> the exact argument list for ``openrlhf.cli.train_ppo_ray`` and the
   STARE settings that travel to the workers in an environment variable (pure; no OpenRLHF import).
 - ``data``: the training prompts file (problem + boxed-answer template + label) written before launch.
 - ``reward``: the file OpenRLHF loads through ``--reward.remote_url`` (math-verify on the last boxed answer).
-- ``plugin``: the one module that reaches into OpenRLHF internals (version-checked): the policy actor
-  subclass, the weighted loss, the once-per-step selection and entropy controller, telemetry, checkpoints.
+- ``plugin``: the plug-in's public names in one import (checks the OpenRLHF version), from the modules that
+  reach into OpenRLHF: ``compat`` (every OpenRLHF name, after the version check), ``loss``, ``stats``, ``step``,
+  ``checkpoint`` and ``actor`` (see ``plugin``'s docstring).
 - ``launch``: the driver: Ray, plugin registration, then OpenRLHF's own CLI module.
 """
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-# The one OpenRLHF release the plugin is written against. Checked when the plugin is imported; here (not in
-# plugin.py) so that the CLI can name the error class without importing OpenRLHF.
+# The one OpenRLHF release the plugin is written against. Checked by ``compat`` before it imports anything of
+# OpenRLHF; here so that the CLI can name the error class without importing OpenRLHF.
 OPENRLHF_VERSION = "0.11.2"
 
 
@@ -22,7 +24,7 @@ class OpenRLHFVersionError(RuntimeError):
 
 
 def check_openrlhf_version(found: str | None = None) -> str:
-    """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly 0.11.2."""
+    """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly ``OPENRLHF_VERSION``."""
     if found is None:
         try:
             found = version("openrlhf")

@@ -1,4 +1,4 @@
-"""From a resolved preset + algorithm to an OpenRLHF 0.11.2 ``train_ppo_ray`` argument list.
+"""From a resolved preset + algorithm to a ``train_ppo_ray`` argument list of the pinned OpenRLHF.
 
 Pure data work, no import of OpenRLHF or Ray: ``stare train --dry-run`` prints what this builds, and the tests
 feed every preset x algorithm through OpenRLHF's real parser.
@@ -43,7 +43,7 @@ def check_settings(settings: dict, source: str) -> dict:
 
 
 def _check_layout(s: dict, source: str) -> None:
-    """What OpenRLHF 0.11.2 would assert (or hang on) at run time, decided by the settings alone.
+    """What the pinned OpenRLHF would assert (or hang on) at run time, decided by the settings alone.
 
     Each check names the OpenRLHF (or DeepSpeed) code it mirrors. The actor ranks are gpus_per_node x nodes: we
     pass no ring attention or DeepSpeed tensor parallelism, so each rank is one data-parallel rank. With

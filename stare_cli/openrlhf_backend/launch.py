@@ -22,7 +22,6 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REWARD_FILE = PACKAGE_DIR / "reward.py"
 AGENT_FILE = PACKAGE_DIR.parent / "agent" / "python_agent.py"
 
-OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
 WANDB_PLACEHOLDER = "${WANDB_API_KEY}"
 # variables the workers need; passed in the Ray runtime environment
 FORWARDED_ENV = (SETTINGS_ENV, REWARD_TIMEOUT_ENV, "STARE_TOOL_MAX_TURNS", "STARE_TOOL_TIMEOUT_S",
@@ -134,6 +133,7 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
     it stalled Ray's start by a minute and logged "Failed to start the dashboard".
     The address is not probed here: ``stare train`` and ``main`` check it before anything starts."""
     from . import plugin  # checks the OpenRLHF version on import
+    from .compat import TRAIN_MODULE
 
     plugin.load_settings(environ)  # fail here, not in a worker, on bad settings
     argv = substitute_secrets(argv, environ)
@@ -145,9 +145,9 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
         ray.init(**ray_init_kwargs(ray_address, dashboard, environ))
     plugin.register()
     saved = sys.argv
-    sys.argv = [OPENRLHF_MODULE, *argv]
+    sys.argv = [TRAIN_MODULE, *argv]
     try:
-        runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
+        runpy.run_module(TRAIN_MODULE, run_name="__main__", alter_sys=True)
     finally:
         sys.argv = saved
 

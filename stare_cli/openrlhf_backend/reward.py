@@ -1,7 +1,7 @@
 """The reward OpenRLHF loads through ``--reward.remote_url <this file>``: 1 if the response's last ``\\boxed{}``
 answer equals the label (math-verify, the same checker as ``stare eval``), else 0.
 
-OpenRLHF 0.11.2 calls ``reward_func(queries, prompts, labels)`` from a thread of its rollout actor, with
+The pinned OpenRLHF calls ``reward_func(queries, prompts, labels)`` from a thread of its rollout actor, with
 ``queries`` the decoded prompt + response. This function never raises into the rollout: any failure scores 0
 and is counted in ``extra_logs`` (logged as ``train/stare/reward_*``, each the fraction of the batch):
 ``reward_no_answer`` (no boxed answer), ``reward_timeout`` (a check ran out of time),

@@ -1,4 +1,4 @@
-"""Test-only patches that let OpenRLHF 0.11.2's real ``train_ppo_ray`` loop run on a CPU-only machine.
+"""Test-only patches that let the pinned OpenRLHF's real ``train_ppo_ray`` loop run on a CPU-only machine.
 
 Used by ``tests/test_openrlhf_e2e.py`` only. The product (``stare_cli/``) never patches OpenRLHF: on GPUs it runs
 OpenRLHF as released. ``sitecustomize.py`` beside this file installs the patches at interpreter start-up in every
@@ -250,7 +250,7 @@ PATCHES = {
     "openrlhf.utils.deepspeed.deepspeed": patch_device_mesh,
     "openrlhf.utils.distributed_util": patch_sync_group,
     "openrlhf.trainer.ray.vllm_worker_wrap": patch_worker_update_weight,
-    "stare.cli.openrlhf_backend.plugin": patch_trainer_crash,
+    "stare.cli.openrlhf_backend.actor": patch_trainer_crash,
     "stare.cli.openrlhf_backend.launch": patch_extra_args,
 }
 # the seven patches of the CPU run (the test hooks are not counted)

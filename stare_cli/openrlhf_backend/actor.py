@@ -1,0 +1,109 @@
+"""STARE in OpenRLHF's Ray policy actor: the one place where stare plugs into OpenRLHF's training.
+
+- ``register`` (in the driver) makes OpenRLHF's ``train_ppo_ray`` create ``StarePolicyModelActor`` wherever it
+  creates its ``PolicyModelActor``.
+- ``StarePolicyModelActor.init_model_from_pretrained``: after OpenRLHF has built the model, optimizer and trainer,
+  ``install`` turns the trainer into a ``StareActorTrainer`` with a ``stare`` attribute (``step.StareStep``) and its
+  parsed ``PolicyLoss`` into a ``StarePolicyLoss`` (same settings: clip low/high, dual clip, token-level loss, GSPO,
+  importance-sampling correction); the controller's state is loaded when resuming.
+- ``StarePolicyModelActor.forward`` is OpenRLHF's old-log-prob forward, which also stashes the statistics
+  (``stats.Stash.old_log_probs``); ``save_checkpoint`` also writes the controller's state (``checkpoint``).
+- ``StareActorTrainer`` overrides OpenRLHF's ``ppo_train`` and ``training_step`` only to hand them to
+  ``trainer.stare``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from stare.algorithms import AlgoConfig
+
+from .argv import SETTINGS_ENV
+from .checkpoint import load_stare_state, save_stare_state
+from .compat import ActorPPOTrainer, merge_mm_train_inputs, ppo_actor
+from .loss import StarePolicyLoss
+from .step import StareStep
+
+
+def load_settings(environ=None) -> tuple[AlgoConfig, str]:
+    """The algorithm settings the driver put into ``STARE_SETTINGS`` (validated), and the run's name."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(SETTINGS_ENV)
+    if not raw:
+        raise RuntimeError(f"{SETTINGS_ENV} is not set: launch OpenRLHF through `stare train` or "
+                           "`python -m stare.cli.openrlhf_backend.launch`, which set it for every worker")
+    data = json.loads(raw)
+    return AlgoConfig(**data["algo"]).validate(), data.get("run", "")
+
+
+class StareActorTrainer(ActorPPOTrainer):
+    """OpenRLHF's ``ActorPPOTrainer`` with STARE (``self.stare``). Never constructed: ``install`` re-classes
+    OpenRLHF's own."""
+
+    stare: StareStep
+
+    def ppo_train(self, kl_ctl: float):
+        return self.stare.ppo_train(super().ppo_train, kl_ctl)
+
+    def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        return self.stare.training_step(super().training_step, experience, kl_ctl, step, loss_batch_info)
+
+
+def install(actor_host, environ=None) -> StareActorTrainer:
+    """Turn an OpenRLHF policy actor's trainer and loss into STARE's (after ``init_model_from_pretrained``)."""
+    cfg, _ = load_settings(environ)
+    trainer = actor_host.trainer
+    trainer.__class__ = StareActorTrainer
+    trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn, unclipped=cfg.unclipped)
+    trainer.stare = StareStep(trainer, cfg)
+    return trainer
+
+
+_BasePolicyActor = ppo_actor.PolicyModelActor.__ray_actor_class__  # the class behind OpenRLHF's remote actor
+
+
+class StarePolicyModelActor(_BasePolicyActor):
+    """OpenRLHF's policy actor (the class behind ``PolicyModelActor``) with STARE installed."""
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+        trainer = install(self)
+        args = strategy.args
+        if args.ckpt.load_enable:
+            tag = load_stare_state(trainer, args.ckpt.path)
+            if tag is not None:
+                strategy.print(f"STARE: controller state restored from checkpoint {tag}")
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
+                mm_train_inputs_list=None):
+        """OpenRLHF's old-log-prob forward (same inputs, same output), which also stashes each sample's
+        entropy and Phi for this step's ``ppo_train`` (``stats.Stash.old_log_probs``)."""
+        trainer = getattr(self, "trainer", None)
+        if not isinstance(trainer, StareActorTrainer):
+            return super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
+        device = torch.cuda.current_device()
+        mm_inputs = {}
+        if mm_train_inputs_list and getattr(self.actor, "is_vlm", False):
+            mm_inputs = merge_mm_train_inputs(mm_train_inputs_list, device)
+        self.actor.eval()
+        with torch.no_grad():
+            action_log_probs = trainer.stare.stash.old_log_probs(sequences.to(device), action_mask.to(device),
+                                                                 attention_mask.to(device), **mm_inputs)
+        self.actor.train()  # reset model state, as OpenRLHF does
+        return action_log_probs.to("cpu")
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        super().save_checkpoint(tag, client_states, metric_value, metric_key)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            args = self.strategy.args
+            save_stare_state(self.trainer, args.ckpt.path, tag, args.ckpt.max_num)
+
+
+def register() -> None:
+    """Make OpenRLHF's driver create ``StarePolicyModelActor`` wherever it creates ``PolicyModelActor``."""
+    import ray
+
+    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(StarePolicyModelActor)

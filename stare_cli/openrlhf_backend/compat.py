@@ -1,0 +1,51 @@
+"""Every name stare takes from OpenRLHF, in one place, imported only after the version check.
+
+Upgrading OpenRLHF starts here: change ``OPENRLHF_VERSION`` (in ``stare.cli.openrlhf_backend``, with pyproject.toml and
+the Dockerfile: a test keeps them equal), then read each name below against the new release, and the modules that use
+it. On any other installed version, importing this module raises ``OpenRLHFVersionError`` saying which one is wanted.
+
+Each name is imported from its module on first use. The agent (``stare.cli.agent.python_agent``) runs inside vLLM's
+rollout actor, where OpenRLHF keeps its trainer (and DeepSpeed) out; importing ``AgentInstanceBase`` from here imports
+``openrlhf.utils.agent`` only, while the trainer side gets the trainer's modules when it asks for their names.
+"""
+from __future__ import annotations
+
+import importlib
+
+from . import OPENRLHF_VERSION, OpenRLHFVersionError, check_openrlhf_version  # noqa: F401 (re-exported)
+
+check_openrlhf_version()
+
+# the module ``launch`` runs as ``__main__`` (OpenRLHF's Ray PPO driver)
+TRAIN_MODULE = "openrlhf.cli.train_ppo_ray"
+
+# name -> (module, attribute); attribute None: the module itself
+_NAMES = {
+    # loss.py: OpenRLHF's policy loss, and its aggregation for KL-Cov's term
+    "PolicyLoss": ("openrlhf.models", "PolicyLoss"),
+    "aggregate_loss": ("openrlhf.models", "aggregate_loss"),
+    # stats.py: the statistics' forward reads the logits the way Actor.forward lays them out (packing, ring
+    # attention), and the extra pass collates buffer items as ppo_train does
+    "unpad_and_slice_tensor": ("openrlhf.models.ring_attn_utils", "unpad_and_slice_tensor"),
+    "get_tensor_in_current_ring_attn_rank": ("openrlhf.models.ring_attn_utils", "get_tensor_in_current_ring_attn_rank"),
+    "gather_and_pad_tensor": ("openrlhf.models.ring_attn_utils", "gather_and_pad_tensor"),
+    "make_experience_batch": ("openrlhf.trainer.ppo_utils.experience", "make_experience_batch"),
+    # actor.py: the trainer, and the module whose ``PolicyModelActor`` the actor subclasses and ``register`` replaces
+    "ppo_actor": ("openrlhf.trainer.ray.ppo_actor", None),
+    "ActorPPOTrainer": ("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer"),
+    "merge_mm_train_inputs": ("openrlhf.trainer.ray.ppo_actor", "merge_mm_train_inputs"),
+    # agent/python_agent.py: the multi-turn agent's base classes
+    "AgentInstanceBase": ("openrlhf.utils.agent", "AgentInstanceBase"),
+    "MultiTurnAgentExecutor": ("openrlhf.utils.agent", "MultiTurnAgentExecutor"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _NAMES[name]
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value

@@ -1,0 +1,198 @@
+"""STARE's part of OpenRLHF's actor trainer: ``trainer.stare``, the controller and the once-per-step block.
+
+``StareStep.ppo_train`` runs once per RL step over the step's whole replay buffer *before* any update: it finds
+every sample's old-policy statistics (``stats.Stash``), then runs ``stare_step`` (``stare.algorithms``), the block
+the local engine runs too: the controller is updated once from the batch entropy all-reduced over the data-parallel
+group (so every rank takes the same decision), and the weights are selected over the whole step's batch from the
+old log-probs (exact across ranks via its distributed selection). Then OpenRLHF's own ``ppo_train`` runs, and
+``training_step`` looks up each micro-batch's weights by a per-sample id carried in ``experience.info`` and hands
+them to the loss. With ``scope: micro_batch`` the weights are instead chosen inside each micro-batch (the reference
+implementation's rule).
+
+The entropy baselines (``cfg.token_rule``: clip-cov, kl-cov, 80-20) run ``stare_step`` every step whatever the
+telemetry setting (80-20 reads the stashed entropy; Clip-Cov and KL-Cov with telemetry off read only log-probs and
+advantages). Clip-Cov's random choice uses a generator per rank and step, seeded from ``--train.seed``, the rank
+and the step count (saved with the controller state). KL-Cov's coefficients travel per sample like the weights.
+
+Telemetry goes into the status dict ``ppo_train`` returns, which OpenRLHF logs as ``train/<key>`` (W&B,
+TensorBoard): the names of ``stare.algorithms.METRICS``, from ``stare_step`` (all but
+``stare/entropy_change_same_batch``, which would cost a second forward over the buffer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from stare.algorithms import (
+    AlgoConfig,
+    EntropyStats,
+    StepMemory,
+    clip_cov_seed,
+    reweight_stats,
+    stare_step,
+    stare_token_weights,
+)
+
+from .stats import Stash, dp_group, model_device, needed_stats
+
+UID_KEY = "stare_uid"  # per-sample id carried through OpenRLHF's collation in experience.info
+
+
+def pad_rows(rows: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
+    """[len(rows), width]: row i is ``rows[i]`` (1-D, at most ``width`` long) followed by ``fill``."""
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill)  # one op, not one per row
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=fill)
+    return out
+
+
+class StareStep:
+    """STARE on one OpenRLHF ``ActorPPOTrainer`` (its ``stare`` attribute): the settings, the controller, the
+    statistics stash, this step's rows, and the step count."""
+
+    def __init__(self, trainer, cfg: AlgoConfig):
+        self.trainer, self.cfg = trainer, cfg
+        self.controller = cfg.make_controller()
+        self.state = None  # this step's ControllerState
+        self.prev = {"entropy": None, "forecast": None}  # for the measured-vs-predicted change
+        # uid -> (weights row: global scope with the gate on, phi row: micro_batch scope), on the device
+        self.rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # the entropy baselines' token rule (clip-cov, kl-cov, 80-20): uid -> KL-Cov coefficients row
+        self.penalty_rows: dict[int, torch.Tensor] = {}
+        # steps so far (restored with the checkpoint), which seeds Clip-Cov's per-step generator
+        self.steps = 0
+        self.stash = Stash(trainer, cfg)
+
+    # ---- around OpenRLHF's ppo_train and training_step ------------------------------------------------------------
+    def ppo_train(self, openrlhf_ppo_train, kl_ctl):
+        """OpenRLHF's ``ppo_train`` (``openrlhf_ppo_train``), after this step's block; its status with the block's
+        telemetry."""
+        try:
+            metrics = self.prepare_step()
+            status = openrlhf_ppo_train(kl_ctl)
+        finally:
+            self.rows = {}
+            self.penalty_rows = {}
+            self.stash.clear()  # the weights change now: no stashed row may outlive this step
+            self.steps += 1
+        status.update(metrics)
+        if metrics and needed_stats(self.cfg)[0]:
+            report = self.stash.report
+            status["stare/stash_recomputed"] = float(report["recomputed"])
+            status["stare/stash_exchanged"] = float(report["exchanged"])
+        return status
+
+    def training_step(self, openrlhf_training_step, experience, kl_ctl, step, loss_batch_info=None):
+        """OpenRLHF's ``training_step`` (``openrlhf_training_step``) on one micro-batch, with the micro-batch's
+        weights and KL-Cov coefficients on the loss."""
+        loss = self.trainer.actor_loss_fn
+        uids = experience.info.pop(UID_KEY, None)
+        loss.token_weights = self.batch_weights(experience, uids)
+        loss.token_penalty = self.batch_penalty(experience, uids)
+        try:
+            return openrlhf_training_step(experience, kl_ctl, step, loss_batch_info)
+        finally:
+            loss.token_weights = None
+            loss.token_penalty = None
+
+    # ---- once per step ----------------------------------------------------------------------------------------------
+    def prepare_step(self) -> dict[str, float]:
+        """Entropy, controller and (global scope) weights for the step in the replay buffer; telemetry."""
+        cfg = self.cfg
+        items = self.trainer.replay_buffer.items
+        for uid, item in enumerate(items):
+            item.info[UID_KEY] = uid
+        device = model_device(self.trainer.actor)
+        self.rows = {}
+        self.penalty_rows = {}
+        need_ent, need_phi = needed_stats(cfg)
+        rule = cfg.token_rule != "none"  # an entropy baseline's token rule runs whatever the telemetry
+        if not need_ent and not rule:  # a baseline with telemetry off: nothing to compute
+            return {}
+        # the old policy's statistics (none for Clip-Cov / KL-Cov with telemetry off: their rules read log-probs)
+        stats = self.stash.step_stats(items) if need_ent else None
+        if items:
+            width = max(it.action_mask.shape[0] for it in items)
+            mask = pad_rows([it.action_mask.to(device) for it in items], width, 0).bool()
+            logp = pad_rows([it.action_log_probs.to(device).float() for it in items], width, 0.0)
+            adv = pad_rows([it.advantages.to(device).float() for it in items], width, 0.0)
+            ent = pad_rows([s[0] for s in stats], width, 0.0) if need_ent else None
+            phi = pad_rows([s[1] for s in stats], width, 0.0) if need_phi else None
+        else:  # a rank with an empty buffer still joins every collective in stare_step
+            mask = torch.zeros(1, 1, dtype=torch.bool, device=device)
+            logp = adv = torch.zeros(1, 1, device=device)
+            ent = torch.zeros(1, 1, device=device) if need_ent else None
+            phi = torch.zeros(1, 1, device=device) if need_phi else None
+        # the shared once-per-step block: batch entropy all-reduced, controller, (global scope) weights exact
+        # across ranks, telemetry; with scope micro_batch the weights are chosen in batch_weights
+        step = stare_step(self.controller, cfg, logp, adv, mask, EntropyStats(ent, -logp, phi),
+                          memory=StepMemory(**self.prev), group=dp_group(self.trainer.strategy),
+                          generator=self.generator())
+        self.state = step.state
+        self.prev = step.memory.as_dict()
+        weights = step.weights
+
+        keep_phi = cfg.scope == "micro_batch"
+        for uid, item in enumerate(items):
+            n = item.action_mask.shape[0]
+            self.rows[uid] = (weights[uid, :n] if weights is not None else None,
+                              phi[uid, :n] if keep_phi and phi is not None else None)
+            if step.penalty is not None:
+                self.penalty_rows[uid] = step.penalty[uid, :n]
+        return step.metrics
+
+    def generator(self) -> torch.Generator | None:
+        """Clip-Cov's random choice among its candidates: a generator of this rank for this step, seeded from the
+        run's seed (``--train.seed``), the rank and the step count, so a run (and a resumed run) reproduces."""
+        if self.cfg.token_rule != "clip-cov":
+            return None
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        seed = int(getattr(self.trainer.args.train, "seed", 0) or 0)
+        return torch.Generator(device=model_device(self.trainer.actor)).manual_seed(
+            clip_cov_seed(seed, rank, self.steps))
+
+    # ---- per micro-batch --------------------------------------------------------------------------------------------
+    def batch_weights(self, experience, uids) -> torch.Tensor | None:
+        """This micro-batch's weights [B, A] (None: every weight is 1)."""
+        state = self.state
+        rule = self.cfg.token_rule != "none"  # a baseline's 0/1 mask, chosen over the whole step
+        if uids is None or not rule and (self.controller is None or state is None or not state.gate_on):
+            return None
+        width = experience.action_mask.shape[1]
+        device = experience.action_mask.device
+        uids = [int(u) for u in uids.tolist()]
+        if rule or self.cfg.scope == "global":
+            rows = [self.rows[u][0] for u in uids]
+            if any(r is None for r in rows):
+                return None
+            return pad_rows([r.to(device) for r in rows], width, 1.0)
+        # the reference's rule: select inside this micro-batch only
+        phi_rows = [self.rows[u][1] for u in uids]  # None: Phi was not needed (telemetry, selection)
+        phi = None if any(r is None for r in phi_rows) else pad_rows([r.to(device) for r in phi_rows], width, 0.0)
+        weights = stare_token_weights(experience.action_log_probs.detach().float(),
+                                      experience.advantages.float(), experience.action_mask, phi=phi,
+                                      **self.cfg.selection_kwargs(), **state.weight_kwargs())
+        experience.info["stare/micro_batch_mean_weight"] = reweight_stats(
+            weights, experience.advantages, experience.action_mask)["mean_weight"]
+        return weights
+
+    def batch_penalty(self, experience, uids) -> torch.Tensor | None:
+        """This micro-batch's KL-Cov coefficients [B, A] (None: no penalty), 0 on padding."""
+        if uids is None or not self.penalty_rows:
+            return None
+        rows = [self.penalty_rows[int(u)].to(experience.action_mask.device) for u in uids.tolist()]
+        return pad_rows(rows, experience.action_mask.shape[1], 0.0)
+
+    # ---- what a checkpoint keeps (checkpoint.py writes and reads the files) ------------------------------------------
+    def state_dict(self) -> dict:
+        return {"controller": None if self.controller is None else self.controller.state_dict(),
+                "prev": self.prev, "algo": self.cfg.name, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("algo") != self.cfg.name:
+            raise ValueError(f"the checkpoint's STARE state is for {state.get('algo')!r}, this run is "
+                             f"{self.cfg.name!r}")
+        if self.controller is not None and state.get("controller") is not None:
+            self.controller.load_state_dict(state["controller"])
+        self.prev = dict(state.get("prev") or {"entropy": None, "forecast": None})
+        self.steps = int(state.get("steps", 0))  # absent in states written before it
