@@ -57,7 +57,7 @@ def install(actor_host, environ=None) -> StareActorTrainer:
     cfg, _ = load_settings(environ)
     trainer = actor_host.trainer
     trainer.__class__ = StareActorTrainer
-    trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn, unclipped=cfg.unclipped)
+    trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn, unclipped=cfg.rule.unclipped)
     trainer.stare = StareStep(trainer, cfg)
     return trainer
 

@@ -9,9 +9,9 @@ old log-probs (exact across ranks via its distributed selection). Then OpenRLHF'
 them to the loss. With ``scope: micro_batch`` the weights are instead chosen inside each micro-batch (the reference
 implementation's rule).
 
-The entropy baselines (``cfg.token_rule``: clip-cov, kl-cov, 80-20) run ``stare_step`` every step whatever the
+The entropy baselines (``cfg.rule``, the registered token rule: clip-cov, kl-cov, 80-20) run ``stare_step`` every step whatever the
 telemetry setting (80-20 reads the stashed entropy; Clip-Cov and KL-Cov with telemetry off read only log-probs and
-advantages). Clip-Cov's random choice uses a generator per rank and step, seeded from ``--train.seed``, the rank
+advantages). Clip-Cov's random choice uses a generator per rank and step (any rule with ``random``), seeded from ``--train.seed``, the rank
 and the step count (saved with the controller state). KL-Cov's coefficients travel per sample like the weights.
 
 Telemetry goes into the status dict ``ppo_train`` returns, which OpenRLHF logs as ``train/<key>`` (W&B,
@@ -106,7 +106,7 @@ class StareStep:
         self.rows = {}
         self.penalty_rows = {}
         need_ent, need_phi = needed_stats(cfg)
-        rule = cfg.token_rule != "none"  # an entropy baseline's token rule runs whatever the telemetry
+        rule = cfg.rule.active  # an entropy baseline's token rule runs whatever the telemetry
         if not need_ent and not rule:  # a baseline with telemetry off: nothing to compute
             return {}
         # the old policy's statistics (none for Clip-Cov / KL-Cov with telemetry off: their rules read log-probs)
@@ -144,7 +144,7 @@ class StareStep:
     def generator(self) -> torch.Generator | None:
         """Clip-Cov's random choice among its candidates: a generator of this rank for this step, seeded from the
         run's seed (``--train.seed``), the rank and the step count, so a run (and a resumed run) reproduces."""
-        if self.cfg.token_rule != "clip-cov":
+        if not self.cfg.rule.random:
             return None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         seed = int(getattr(self.trainer.args.train, "seed", 0) or 0)
@@ -155,7 +155,7 @@ class StareStep:
     def batch_weights(self, experience, uids) -> torch.Tensor | None:
         """This micro-batch's weights [B, A] (None: every weight is 1)."""
         state = self.state
-        rule = self.cfg.token_rule != "none"  # a baseline's 0/1 mask, chosen over the whole step
+        rule = self.cfg.rule.active  # a baseline's 0/1 mask, chosen over the whole step
         if uids is None or not rule and (self.controller is None or state is None or not state.gate_on):
             return None
         width = experience.action_mask.shape[1]
