@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .data import Problem
 from .jsonl import read_cut_jsonl
-from .metrics import majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
+from .metrics import problem_values, sample_values
 from .scoring import extract_boxed, score_many, warn_if_all_empty
 from .summary import core_summary, write_summary
 
@@ -540,18 +540,12 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
     correct = [[r["correct"] for r in recs] for recs in ordered]
     extracted = [[r["extracted"] for r in recs] for recs in ordered]
     k = proto.k
-    per_problem = per_problem_accuracy(correct)
-    per_pass = [pass_at_k(len(c), sum(c), k) for c in correct]
-    per_maj = [float(v) for v in majority_votes(extracted, correct)]
     tried = attempted(ordered)  # response statistics: of the samples that were generated
-    responses = [r["response"] for r in tried]
-    tokens = [r["num_tokens"] for r in tried]
-    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, per_problem=per_problem,
-                           per_pass=per_pass, per_maj=per_maj, ids=[p.id for p in problems],
+    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto,
+                           values=problem_values(correct, extracted, k), ids=[p.id for p in problems],
                            answers=[p.answer for p in problems])
     summary.update({
-        "mean_response_tokens": sum(tokens) / len(tokens) if tokens else 0.0,
-        "reflection_per_1k_tokens": reflection_rate(responses, tokens),
+        **sample_values([r["response"] for r in tried], [r["num_tokens"] for r in tried]),
         **outcome_fields(problems, ordered),
         "versions": versions(),
     })

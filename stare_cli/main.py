@@ -460,9 +460,10 @@ def eval_(
 
 
 def _print_eval_summary(bench: str, summary: dict, how: str, out_dir: Path) -> None:
-    kk = summary["k"]
-    console.print(f"{bench} ({summary['n_problems']} problems, {how}): avg@{kk} {summary['avg_at_k']:.4f}  "
-                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {escape(str(out_dir))}/summary.md")
+    from stare.eval.summary import scores_line
+
+    console.print(f"{bench} ({summary['n_problems']} problems, {how}): {scores_line(summary)}  -> "
+                  f"{escape(str(out_dir))}/summary.md")
 
 
 @app.command()
