@@ -550,13 +550,18 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
         "versions": versions(),
     })
     extra_rows = outcome_md(summary)
-    if tools is not None:  # --tools: the tool settings and the mean turns / tool calls per sample
+    if tools is not None:  # --tools: the tool settings, the mean turns / tool calls per sample, the sandbox
         flat = [r for recs in ordered for r in recs]
         summary["tools"] = tools
         summary["mean_turns"] = sum(r.get("turns", 0) for r in flat) / len(flat)
         summary["mean_tool_calls"] = sum(r.get("tool_calls", 0) for r in flat) / len(flat)
+        # the isolation the samples' tool calls ran with (several, "/"-joined, when a resumed run changed machines;
+        # samples written before it was recorded are left out)
+        used = sorted({r["sandbox_isolation"] for r in flat if r.get("sandbox_isolation")})
+        summary["sandbox_isolation"] = "/".join(used) or None
         extra_rows += [("mean turns", f"{summary['mean_turns']:.2f}"),
-                       ("mean tool calls", f"{summary['mean_tool_calls']:.2f}")]
+                       ("mean tool calls", f"{summary['mean_tool_calls']:.2f}"),
+                       ("sandbox isolation", summary["sandbox_isolation"] or "(not recorded)")]
     write_summary(out, summary, title=f"{bench}: {model}",
                   setup=f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
                         f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems",

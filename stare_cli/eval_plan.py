@@ -1,8 +1,8 @@
 """What ``stare eval`` will evaluate, decided before any model is loaded, and the evaluation itself.
 
 ``plan_eval`` checks everything that can be checked first (the benchmark, the output folder, the backend, the
-harness, benchmark, tools and ``--resume`` together, the protocol, the data, a folder's earlier samples, the model)
-and returns an ``EvalPlan``; ``run_eval_plan`` loads the model and runs the chosen
+harness, benchmark, tools and ``--resume`` together, the protocol, the data, a folder's earlier samples, the model,
+the tool sandbox's isolation) and returns an ``EvalPlan``; ``run_eval_plan`` loads the model and runs the chosen
 harness (stare's, with the tool loop for ``--tools``, or lm-eval's). Both raise ``stare.cli.errors.CliError``
 (one line naming the bad value, exit code 2); the checks below raise ``ValueError`` with that line.
 """
@@ -87,6 +87,18 @@ def check_harness(harness: str, bench: str, *, resume: bool, tools: str | None) 
             raise ValueError("--resume works with --harness stare only; lm-eval runs a task from the start")
 
 
+def check_tool_isolation(tool_config) -> str:
+    """The isolation the tool sandbox gets on this machine (``ToolConfig.resolve_isolation``); ``CliError`` with its
+    one line where the asked-for one (``namespaces`` by default) is unavailable. ``stare train`` of the tool-use
+    preset checks it too."""
+    from .agent.sandbox import SandboxError
+
+    try:
+        return tool_config.resolve_isolation()
+    except SandboxError as exc:
+        raise CliError(str(exc)) from None
+
+
 @dataclass
 class EvalPlan:
     bench: str
@@ -159,6 +171,8 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     except ValueError as exc:
         raise CliError(str(exc)) from None
     errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
+    if tool_config is not None:  # the sandbox's isolation here (namespaces unless asked otherwise), before loading
+        check_tool_isolation(tool_config)
     return EvalPlan(bench, model, out_dir, proto, backend, harness, tp, seed, resume, limit, local, data, problems,
                     tools, tool_config)
 

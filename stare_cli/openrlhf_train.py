@@ -1,7 +1,7 @@
 """``stare train`` on a GPU preset: the OpenRLHF launch (``stare.cli.openrlhf_backend.launch``) driven from the CLI.
 
 ``plan`` is what ``--dry-run`` prints; ``train`` checks everything that can be checked here (the run folder, the
-Ray address, the GPU training stack),
+Ray address, the tool sandbox's isolation when the rollout actors run on this node, the GPU training stack),
 makes the run folder and starts. Both raise ``stare.cli.errors.CliError`` (one line) for what the user fixes.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
             orl.check_ray_address(ray_address)
     except (RunDirError, orl.LaunchError) as exc:
         raise CliError(str(exc)) from None
+    if resolved["settings"].get("agent") and not ray_address:  # the rollout actors run here: so does the sandbox
+        _check_tool_sandbox()
     try:
         from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
     except ImportError as exc:
@@ -53,3 +55,17 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         orl.start(resolved, launch_plan, log=errors.plain(console))
     except orl.LaunchError as exc:
         raise CliError(str(exc)) from None
+
+
+def _check_tool_sandbox() -> None:
+    """The tool agent's settings (``STARE_TOOL_*``, ``STARE_SANDBOX_ISOLATION``) and its sandbox's isolation on this
+    node (``namespaces`` unless ``auto`` or ``basic`` is set), as the agent checks them when a rollout actor loads
+    it, but before Ray and the GPUs start."""
+    from .agent.loop import ToolConfig
+    from .eval_plan import check_tool_isolation
+
+    try:
+        config = ToolConfig.from_env()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    check_tool_isolation(config)
