@@ -9,9 +9,12 @@ Imported by the test files as ``from no_userns import ...`` (tests/ is on sys.pa
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 PROBE = "from stare.cli.agent.sandbox import namespaces_available; print(namespaces_available()[0])"
 WRAP = ["unshare", "--user", "--map-root-user", "sh", "-c",
@@ -29,3 +32,14 @@ def without_userns(argv: list[str], namespaces_here: bool) -> list[str] | None:
     if res.returncode != 0 or res.stdout.strip() != "False":
         return None
     return [*WRAP, *argv]
+
+
+def run_json_without_userns(code: str, *args: str, namespaces_here: bool, timeout: float = 600) -> dict:
+    """Run ``python -c code args`` without user namespaces and return the JSON object its last line prints; the
+    calling test is skipped where that cannot be arranged."""
+    argv = without_userns([sys.executable, "-c", code, *args], namespaces_here)
+    if argv is None:
+        pytest.skip("cannot run a process without user namespaces here (no working `unshare --user`)")
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -478,17 +478,9 @@ def test_namespaces_where_unavailable_fail_in_one_line_and_auto_falls_back():
     """Where user namespaces cannot be made (simulated as the sandbox detects it: its unshare fails), asking for
     ``namespaces`` is one line naming the isolation, why it is unavailable and what to set instead; ``auto`` is the
     audit-hook fallback, ``basic``."""
-    import json
-    import subprocess
+    from no_userns import run_json_without_userns
 
-    from no_userns import without_userns
-
-    argv = without_userns([sys.executable, "-c", NO_NS_PROBE], NS)
-    if argv is None:
-        pytest.skip("cannot run a process without user namespaces here (no working `unshare --user`)")
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_json_without_userns(NO_NS_PROBE, namespaces_here=NS, timeout=300)
     assert out["auto"] == "basic"
     assert out["resolve"] == out["run"]
     line = out["resolve"]

@@ -586,7 +586,7 @@ def test_tool_use_where_namespaces_are_unavailable_fails_in_one_line(tmp_path, m
     """Without user namespaces (simulated as the sandbox detects it), the tool-use paths, which default to isolation
     namespaces, stop before any work with the sandbox's one line: the training agent when a rollout actor loads it,
     `stare eval --tools python` and `stare train --preset qwen-7b-tool-use` (exit 2, nothing written)."""
-    from no_userns import without_userns
+    from no_userns import run_json_without_userns
 
     monkeypatch.delenv("STARE_SANDBOX_ISOLATION")  # the default
     (tmp_path / "model").mkdir()
@@ -597,12 +597,7 @@ def test_tool_use_where_namespaces_are_unavailable_fails_in_one_line(tmp_path, m
                  "--backend", "hf", "--tools", "python", "--out", str(tmp_path / "ev")]
     train_args = ["train", "--preset", "qwen-7b-tool-use", "--set", f"cold_start_checkpoint={tmp_path / 'sft'}",
                   "--out", str(tmp_path / "run")]
-    argv = without_userns([sys.executable, "-c", NO_NS_TOOL_USE, json.dumps([eval_args, train_args])], NS)
-    if argv is None:
-        pytest.skip("cannot run a process without user namespaces here (no working `unshare --user`)")
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_json_without_userns(NO_NS_TOOL_USE, json.dumps([eval_args, train_args]), namespaces_here=NS)
     expected = "sandbox isolation 'namespaces' is unavailable here: "
     assert out["agent"].startswith(f"SandboxError: {expected}") and "STARE_SANDBOX_ISOLATION=auto" in out["agent"]
     for name in ("eval", "train"):
