@@ -316,9 +316,6 @@ def versions() -> dict:
     return found
 
 
-_versions = versions  # the older private name
-
-
 class EvalRefused(ValueError):
     """An evaluation that cannot start or continue as asked (the CLI prints one line and exits with code 2):
     ``--resume`` with other settings than the folder's, a corrupt samples file, a model whose context fits no
