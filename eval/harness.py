@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .data import Problem
 from .jsonl import read_cut_jsonl
-from .metrics import majority_votes, pass_at_k, per_problem_accuracy, reflection_rate
+from .metrics import problem_values, sample_values
 from .scoring import extract_boxed, score_many, warn_if_all_empty
 from .summary import core_summary, write_summary
 
@@ -316,9 +316,6 @@ def versions() -> dict:
     return found
 
 
-_versions = versions  # the older private name
-
-
 class EvalRefused(ValueError):
     """An evaluation that cannot start or continue as asked (the CLI prints one line and exits with code 2):
     ``--resume`` with other settings than the folder's, a corrupt samples file, a model whose context fits no
@@ -540,29 +537,28 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
     correct = [[r["correct"] for r in recs] for recs in ordered]
     extracted = [[r["extracted"] for r in recs] for recs in ordered]
     k = proto.k
-    per_problem = per_problem_accuracy(correct)
-    per_pass = [pass_at_k(len(c), sum(c), k) for c in correct]
-    per_maj = [float(v) for v in majority_votes(extracted, correct)]
     tried = attempted(ordered)  # response statistics: of the samples that were generated
-    responses = [r["response"] for r in tried]
-    tokens = [r["num_tokens"] for r in tried]
-    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, per_problem=per_problem,
-                           per_pass=per_pass, per_maj=per_maj, ids=[p.id for p in problems],
+    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto,
+                           values=problem_values(correct, extracted, k), ids=[p.id for p in problems],
                            answers=[p.answer for p in problems])
     summary.update({
-        "mean_response_tokens": sum(tokens) / len(tokens) if tokens else 0.0,
-        "reflection_per_1k_tokens": reflection_rate(responses, tokens),
+        **sample_values([r["response"] for r in tried], [r["num_tokens"] for r in tried]),
         **outcome_fields(problems, ordered),
         "versions": versions(),
     })
     extra_rows = outcome_md(summary)
-    if tools is not None:  # --tools: the tool settings and the mean turns / tool calls per sample
+    if tools is not None:  # --tools: the tool settings, the mean turns / tool calls per sample, the sandbox
         flat = [r for recs in ordered for r in recs]
         summary["tools"] = tools
         summary["mean_turns"] = sum(r.get("turns", 0) for r in flat) / len(flat)
         summary["mean_tool_calls"] = sum(r.get("tool_calls", 0) for r in flat) / len(flat)
+        # the isolation the samples' tool calls ran with (several, "/"-joined, when a resumed run changed machines;
+        # samples written before it was recorded are left out)
+        used = sorted({r["sandbox_isolation"] for r in flat if r.get("sandbox_isolation")})
+        summary["sandbox_isolation"] = "/".join(used) or None
         extra_rows += [("mean turns", f"{summary['mean_turns']:.2f}"),
-                       ("mean tool calls", f"{summary['mean_tool_calls']:.2f}")]
+                       ("mean tool calls", f"{summary['mean_tool_calls']:.2f}"),
+                       ("sandbox isolation", summary["sandbox_isolation"] or "(not recorded)")]
     write_summary(out, summary, title=f"{bench}: {model}",
                   setup=f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
                         f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems",

@@ -22,7 +22,7 @@ import yaml
 from .harness import Protocol, package_version
 from .harness import versions as harness_versions
 from .lm_eval_tasks import TASKS, TASKS_DIR
-from .metrics import reflection_rate
+from .metrics import problem_metrics, sample_metrics, sample_values
 from .scoring import extract_boxed
 from .summary import core_summary, write_summary
 
@@ -129,16 +129,17 @@ def _num_tokens(tokenizer, text: str) -> int | None:
 def summarise(results: dict, samples: list[dict], proto: Protocol, *, bench, model, backend, seed, out: Path, task,
               chat_template, tokenizer, data_file) -> dict:
     metrics = results["results"][task]
-    per_problem, per_pass, per_maj, rows, responses, tokens = [], [], [], [], [], []
+    per_problem = problem_metrics()
+    values: dict[str, list[float]] = {m.key: [] for m in per_problem}  # lm-eval's per-problem values
+    rows, responses, tokens = [], [], []
     for s in samples:
         doc = s["doc"]
         resps = s["filtered_resps"]
         resps = resps[0] if len(resps) == 1 and isinstance(resps[0], list) else resps
         if len(resps) != proto.k:
             raise RuntimeError(f"lm-eval returned {len(resps)} responses for problem {doc['id']!r}, expected {proto.k}")
-        per_problem.append(float(s["avg_at_k"]))
-        per_pass.append(float(s["pass_at_k"]))
-        per_maj.append(float(s["maj_at_k"]))
+        for m in per_problem:
+            values[m.key].append(float(s[m.key]))
         for j, text in enumerate(resps):
             n_tok = _num_tokens(tokenizer, text)
             rows.append({"problem_id": doc["id"], "sample_idx": j, "response": text, "extracted": extract_boxed(text),
@@ -150,18 +151,17 @@ def summarise(results: dict, samples: list[dict], proto: Protocol, *, bench, mod
     versions = harness_versions()
     versions["lm-eval"] = results.get("lm_eval_version") or package_version("lm-eval")
     counted = None not in tokens and tokens
-    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, per_problem=per_problem,
-                           per_pass=per_pass, per_maj=per_maj, ids=[s["doc"]["id"] for s in samples],
-                           answers=[s["doc"]["answer"] for s in samples],
-                           scores={"avg_at_k": metrics[f"avg_at_k,{FILTER}"],
-                                   "pass_at_k": metrics[f"pass_at_k,{FILTER}"],
-                                   "maj_at_k": metrics[f"maj_at_k,{FILTER}"]})
+    summary = core_summary(bench=bench, model=model, backend=backend, seed=seed, proto=proto, values=values,
+                           ids=[s["doc"]["id"] for s in samples], answers=[s["doc"]["answer"] for s in samples],
+                           scores={m.key: metrics[f"{m.key},{FILTER}"] for m in per_problem})
+    # re-tokenised from the response text, so a count can differ from the generated tokens by a token or two;
+    # summary.json has always had the note right after the first of them (the response length)
+    measured = list((sample_values(responses, tokens) if counted else dict.fromkeys(m.key for m in sample_metrics()))
+                    .items())
+    measured.insert(1, ("token_counts", "re-tokenised from the response text" if counted else None))
     summary.update({
         "harness": "lm-eval", "task": task,
-        # re-tokenised from the response text, so a count can differ from the generated tokens by a token or two
-        "mean_response_tokens": sum(tokens) / len(tokens) if counted else None,
-        "token_counts": "re-tokenised from the response text" if counted else None,
-        "reflection_per_1k_tokens": reflection_rate(responses, tokens) if counted else None,
+        **dict(measured),
         "chat_template": chat_template,
         "data": str(Path(data_file).resolve()) if data_file is not None else "hub",
         "versions": versions,

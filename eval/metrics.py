@@ -1,7 +1,10 @@
-"""Sample-based accuracy metrics (pure Python, no model code)."""
+"""Sample-based accuracy metrics (pure Python, no model code), and ``METRICS``: the one table of the evaluation
+metrics that both eval harnesses, the summary writer, the comparison and the CLI read (at the end of this file)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import comb
+from typing import Callable
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -41,7 +44,7 @@ def avg_at_k(correct: list[list[bool]]) -> float:
 def pass_at_k_mean(correct: list[list[bool]], k: int) -> float:
     """Mean over problems of the unbiased pass@k (``pass_at_k(n, c, k)`` with n samples, c correct, per problem)."""
     _check_matrix(correct)
-    vals = [pass_at_k(len(row), sum(bool(x) for x in row), k) for row in correct]
+    vals = [problem_pass_at_k(row, [], k) for row in correct]
     return sum(vals) / len(vals)
 
 
@@ -182,3 +185,107 @@ def reflection_rate(responses: list[str], num_tokens: list[int]) -> float:
     if total == 0:
         return 0.0
     return 1000.0 * sum(count_reflections(r) for r in responses) / total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# THE table of evaluation metrics. Every reader takes its metrics from here, in this order:
+# - both harnesses compute them (``stare.eval.harness.summarise``; ``stare.eval.lm_eval_tasks.utils.process_results``
+#   per problem and ``stare.eval.lm_eval_harness.summarise``), ``problem_values`` and ``sample_values`` below;
+# - ``stare.eval.summary`` writes them to summary.json (key, ``ci95`` for those with an interval) and summary.md
+#   (name, digits, interval);
+# - ``stare eval`` prints the ``printed`` ones (``stare.eval.summary.scores_line``);
+# - the comparison (``stare.cli.runs.summarise_benches``, ``stare.cli.tables``) shows the ``compare`` ones.
+# A new metric is one row in ``METRICS`` (and, when it is per problem, one entry in the lm-eval tasks' metric_list,
+# which lm-eval needs to aggregate it: eval/lm_eval_tasks/_stare_aime_base.yaml; a test checks the two agree).
+
+
+def problem_accuracy(correct: list[bool], extracted: list[str | None], k: int) -> float:
+    """One problem's share of correct samples (avg@k is its mean over problems)."""
+    return per_problem_accuracy([correct])[0]
+
+
+def problem_pass_at_k(correct: list[bool], extracted: list[str | None], k: int) -> float:
+    """One problem's unbiased pass@k from its samples (``pass_at_k``)."""
+    return pass_at_k(len(correct), sum(bool(x) for x in correct), k)
+
+
+def problem_majority(correct: list[bool], extracted: list[str | None], k: int) -> float:
+    """1.0 when the problem's majority answer is correct (``majority_votes``), else 0.0."""
+    return float(majority_votes([extracted], [correct])[0])
+
+
+def mean_response_tokens(responses: list[str], num_tokens: list[int]) -> float:
+    """Mean tokens per response (0.0 when there are no responses)."""
+    return sum(num_tokens) / len(num_tokens) if num_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One evaluation metric, as every reader of it sees it.
+
+    ``key``: its summary.json key. ``name``: how summary.md, the CLI and the comparison name it ("{k}" is k).
+    Computed either ``per_problem`` (the problem's correctness flags, extracted answers and k -> the problem's value;
+    the metric is the mean over problems) or ``over_samples`` (the attempted samples' responses and token counts ->
+    the value; None in summary.json where it cannot be measured). ``digits``: decimals in summary.md and on the CLI
+    line; ``interval``: a 95% bootstrap interval over problems (summary.json ``ci95``, summary.md); ``printed``: on
+    the line ``stare eval`` prints. ``compare``: how the comparison shows it: ``"bench"`` (a column per benchmark;
+    the first such metric is the headline, with its interval and k), ``"pooled"`` (one column, from the first
+    benchmark that measured it, under ``compare_name`` in comparison.json and ``compare_header`` in comparison.md,
+    with ``compare_digits`` decimals), or None.
+    """
+
+    key: str
+    name: str
+    per_problem: Callable[[list[bool], list[str | None], int], float] | None = None
+    over_samples: Callable[[list[str], list[int]], float] | None = None
+    digits: int = 4
+    interval: bool = False
+    printed: bool = False
+    compare: str | None = None
+    compare_name: str | None = None
+    compare_header: str | None = None
+    compare_digits: int = 3
+
+    def label(self, k) -> str:
+        return self.name.format(k=k)
+
+
+METRICS: list[Metric] = [
+    Metric("avg_at_k", "avg@{k}", per_problem=problem_accuracy, interval=True, printed=True, compare="bench"),
+    Metric("pass_at_k", "pass@{k}", per_problem=problem_pass_at_k, interval=True, printed=True, compare="bench"),
+    Metric("maj_at_k", "maj@{k}", per_problem=problem_majority, interval=True, printed=True),
+    Metric("mean_response_tokens", "mean response tokens", over_samples=mean_response_tokens, digits=1),
+    Metric("reflection_per_1k_tokens", "reflection words per 1k tokens", over_samples=reflection_rate, digits=2,
+           compare="pooled", compare_name="reflection", compare_header="reflection /1k tok", compare_digits=2),
+]
+PER_PROBLEM_ROW = "avg_at_k"  # the metric summary.json's per_problem rows carry, as "accuracy"
+
+
+# The readers select from the table when they run (a row added to it, even by a test, reaches all of them).
+def problem_metrics() -> list[Metric]:
+    """The metrics computed per problem (a mean over problems), in table order."""
+    return [m for m in METRICS if m.per_problem is not None]
+
+
+def sample_metrics() -> list[Metric]:
+    """The metrics computed over the attempted samples, in table order."""
+    return [m for m in METRICS if m.over_samples is not None]
+
+
+def compared(how: str) -> list[Metric]:
+    """The metrics the comparison shows ``how`` ("bench": per benchmark, the first one the headline; "pooled")."""
+    return [m for m in METRICS if m.compare == how]
+
+
+def problem_values(correct: list[list[bool]], extracted: list[list[str | None]], k: int) -> dict[str, list[float]]:
+    """Each per-problem metric's values, one per problem (``correct[i][j]``, ``extracted[i][j]``: sample j of
+    problem i)."""
+    _check_matrix(correct)
+    if len(extracted) != len(correct):
+        raise ValueError(f"extracted has {len(extracted)} problems but correct has {len(correct)}")
+    return {m.key: [m.per_problem(c, e, k) for c, e in zip(correct, extracted)] for m in problem_metrics()}
+
+
+def sample_values(responses: list[str], num_tokens: list[int]) -> dict[str, float]:
+    """Each over-samples metric of the attempted samples' responses and token counts."""
+    return {m.key: m.over_samples(responses, num_tokens) for m in sample_metrics()}

@@ -72,7 +72,7 @@ STEPS: dict[str, Step] = {
     "stare-run-tiny-cpu": Step(
         [PY, "-m", "stare.cli.main", "run", "--preset", "tiny-cpu", "--out", "{out}/tiny-cpu", "--parallel", "4",
          "--set", "device=cuda"], 240,
-        ("stare.cli.main", "stare.cli.local.runner", "stare.cli.local.trainer", "stare.cli.local.report",
+        ("stare.cli.main", "stare.cli.local.runner", "stare.cli.local.trainer", "stare.cli.tables",
          "stare.cli.plots", "transformers", "tokenizers", "typer", "rich", "yaml", "numpy", "matplotlib.pyplot"),
         "the local engine end to end on the GPU (device=cuda: warm starts, training, evaluation; 4 arms share it)"),
     "bench-entropy": Step(

@@ -8,6 +8,8 @@ preset, an algorithm or a benchmark:
   typer's boxed five-line panel, and hides the ``<bool>`` type that typer's help shows after on/off flags.
 - ``fail``: the one-line error, with the message escaped so that rich does not eat ``[...]`` in user values
   and hints (``pip install 'stare[openrlhf]'``, ``--set w=[big]``, ``runs/[tiny]/final``).
+- ``CliError``: the same one line from the modules a command calls (the local runner, the OpenRLHF launch, the
+  eval plan): they raise it, ``StareGroup`` prints it as ``fail`` would and exits with its code.
 - ``check_out_dir``: ``--out`` must be a folder or creatable as one, checked before anything is loaded or
   written.
 - ``check_model_source``: a ``--model`` that is not a folder here and looks like a hub id (``owner/name``), as
@@ -37,9 +39,22 @@ err_console = Console(stderr=True)
 _ABORTS = tuple({typer.Abort, getattr(_click_exceptions, "Abort", typer.Abort)})
 
 
+class CliError(Exception):
+    """A failure the user fixes, raised where a command's work is done: one line on stderr and exit ``code`` (2: bad
+    usage; 1: something missing from this machine, such as an optional package), printed by ``StareGroup``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def _print_error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error and exit (code 2: bad usage). ``message`` is plain text, never markup."""
-    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    _print_error(message)
     raise typer.Exit(code)
 
 
@@ -126,17 +141,18 @@ class StareGroup(TyperGroup):
                 if text.strip():
                     typer.echo(text, err=False)
                 sys.exit(exc.exit_code)
-            err_console.print(f"[bold red]error:[/] {escape(usage_line(exc, argv))}", highlight=False,
-                              soft_wrap=True)
+            _print_error(usage_line(exc, argv))
             sys.exit(exc.exit_code)
+        except CliError as exc:
+            _print_error(str(exc))
+            sys.exit(exc.code)
         except _ABORTS:
             err_console.print("Aborted.", highlight=False)
             sys.exit(1)
         except OSError as exc:  # e.g. --out on a read-only file system, found only at the write
             if exc.errno not in WRITE_ERRNOS:
                 raise
-            err_console.print(f"[bold red]error:[/] {escape(write_error_line(exc))}", highlight=False,
-                              soft_wrap=True)
+            _print_error(write_error_line(exc))
             sys.exit(2)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 

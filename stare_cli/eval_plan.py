@@ -1,11 +1,18 @@
-"""What ``stare eval`` will evaluate, decided before any model is loaded: the model and output folder, and whether
-the harness, benchmark, tools and ``--resume`` fit together. Each check raises ``ValueError`` with one line that
-names the bad value; the CLI prints it and exits with code 2.
+"""What ``stare eval`` will evaluate, decided before any model is loaded, and the evaluation itself.
+
+``plan_eval`` checks everything that can be checked first (the benchmark, the output folder, the backend, the
+harness, benchmark, tools and ``--resume`` together, the protocol, the data, a folder's earlier samples, the model,
+the tool sandbox's isolation) and returns an ``EvalPlan``; ``run_eval_plan`` loads the model and runs the chosen
+harness (stare's, with the tool loop for ``--tools``, or lm-eval's). Both raise ``stare.cli.errors.CliError``
+(one line naming the bad value, exit code 2); the checks below raise ``ValueError`` with that line.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+from . import errors
+from .errors import CliError
 from .rundir import final_model
 
 HARNESSES = ("stare", "lm-eval")
@@ -78,3 +85,132 @@ def check_harness(harness: str, bench: str, *, resume: bool, tools: str | None) 
         require_lm_eval()
         if resume:
             raise ValueError("--resume works with --harness stare only; lm-eval runs a task from the start")
+
+
+def check_tool_isolation(tool_config) -> str:
+    """The isolation the tool sandbox gets on this machine (``ToolConfig.resolve_isolation``); ``CliError`` with its
+    one line where the asked-for one (``namespaces`` by default) is unavailable. ``stare train`` of the tool-use
+    preset checks it too."""
+    from .agent.sandbox import SandboxError
+
+    try:
+        return tool_config.resolve_isolation()
+    except SandboxError as exc:
+        raise CliError(str(exc)) from None
+
+
+@dataclass
+class EvalPlan:
+    bench: str
+    model: str
+    out: Path
+    proto: object  # stare.eval.harness.Protocol
+    backend: str  # hf | vllm
+    harness: str  # stare | lm-eval
+    tp: int
+    seed: int
+    resume: bool
+    limit: int | None
+    local: str | None  # the local data file, None for the hub
+    data: str  # what the eval record holds: the data file's full path, or "hub"
+    problems: list | None  # the problems (None: lm-eval reads the hub itself)
+    tools: str | None
+    tool_config: object | None  # stare.cli.agent.loop.ToolConfig with --tools
+
+    @property
+    def how(self) -> str:
+        return f"protocol {self.proto.name}" + (", lm-eval" if self.harness == "lm-eval" else "")
+
+
+def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str, k: int | None,
+              temperature: float | None, top_p: float | None, max_tokens: int | None, backend: str | None,
+              harness: str, tp: int, data_file, limit: int | None, seed: int, resume: bool,
+              tools: str | None) -> EvalPlan:
+    """Every check ``stare eval`` makes before a model is loaded or anything is written, in this order."""
+    from stare.eval import BENCHES, load_bench
+    from stare.eval.data import local_data_file
+    from stare.eval.harness import EvalRefused, check_backend, check_resume, default_backend, eval_record, \
+        resolve_protocol
+
+    if bench not in BENCHES:
+        raise CliError(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
+    errors.check_out_dir(out or Path("evals") / bench)
+    tool_config = None
+    try:
+        if backend is not None:
+            check_backend(backend)
+        check_harness(harness, bench, resume=resume, tools=tools)
+        if tools is not None:
+            from .agent.loop import ToolConfig
+
+            tool_config = ToolConfig.from_env()
+        model, out_dir = eval_target(model, out, bench)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    backend = backend or default_backend()
+    errors.check_out_dir(out_dir)
+    problems = None
+    try:
+        proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        local = local_data_file(bench, data_file)
+        if harness == "stare" or local is not None:  # lm-eval reads the hub itself
+            problems = load_bench(bench, data_file=local if local is not None else "hub", limit=limit)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    data = str(Path(local).resolve()) if local is not None else "hub"
+    if resume and harness == "stare":  # the folder's settings, before any model is loaded or anything written
+        try:
+            check_resume(out_dir, eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools))
+        except EvalRefused as exc:
+            raise CliError(str(exc)) from None
+    if (out_dir / "samples.jsonl").exists() and not resume:
+        raise CliError(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare"
+                                                               else "") + "use another --out (nothing was changed)")
+    try:
+        check_model_folder(model)  # a file (README.md), a folder without a readable config.json
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
+    if tool_config is not None:  # the sandbox's isolation here (namespaces unless asked otherwise), before loading
+        check_tool_isolation(tool_config)
+    return EvalPlan(bench, model, out_dir, proto, backend, harness, tp, seed, resume, limit, local, data, problems,
+                    tools, tool_config)
+
+
+def run_eval_plan(plan: EvalPlan, console) -> dict:
+    """Load the model and evaluate (a progress bar for the stare harness); returns the summary (summary.json)."""
+    from stare.eval.harness import EvalRefused, make_backend, run_eval
+
+    from .quiet import quiet
+
+    quiet()
+    proto = plan.proto
+    if plan.harness == "lm-eval":
+        from stare.eval.lm_eval_harness import LmEvalError, run_lm_eval
+
+        console.print(f"lm-eval task for {plan.bench}: {proto.k} samples per problem, {plan.backend} model")
+        try:
+            return run_lm_eval(plan.bench, plan.model, proto, plan.out, backend=plan.backend, tp=plan.tp,
+                               data_file=plan.local, limit=plan.limit, seed=plan.seed)
+        except LmEvalError as exc:
+            raise CliError(str(exc)) from None
+    engine = make_backend(plan.backend, plan.model, plan.tp, plan.seed)
+    if plan.tools is not None:
+        from .agent.multiturn import ToolUseBackend
+
+        try:
+            engine = ToolUseBackend(engine, plan.tool_config, plan.tools)
+        except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
+            raise CliError(str(exc)) from None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task(f"{plan.bench} x {proto.k} samples", total=len(plan.problems) * proto.k)
+        try:
+            return run_eval(plan.problems, engine, proto, plan.out, bench=plan.bench, model=plan.model,
+                            seed=plan.seed, resume=plan.resume, progress=lambda n: progress.advance(task, n),
+                            data=plan.data, tools=plan.tools)
+        except EvalRefused as exc:
+            progress.stop()
+            errors.fail(str(exc))  # printed here, under the stopped bar, as the bar closes

@@ -1,7 +1,14 @@
-"""The ``stare`` command line. Thin: parse, validate, call into stare.algorithms and the engines.
+"""The ``stare`` command line. Thin: each command parses and validates its flags, calls the module that does the
+work and prints the result.
+
+- ``train``: ``stare.cli.local.runner.train_arm`` (local presets) or ``stare.cli.openrlhf_train`` (GPU presets);
+- ``run``: ``stare.cli.run_set`` (the arms and seeds) and ``stare.cli.local.runner.run_set``;
+- ``eval``: ``stare.cli.eval_plan`` (every check, then the harness);
+- ``compare``: ``stare.cli.compare``.
 
 Errors the user can fix (an unknown preset, algorithm or setting, a bad value) print one line naming the
-bad value and the valid choices, and exit with code 2, without a traceback.
+bad value and the valid choices, and exit with code 2, without a traceback: ``errors.fail`` here, and
+``errors.CliError`` raised by those modules (printed by ``errors.StareGroup``).
 """
 from __future__ import annotations
 
@@ -16,10 +23,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from stare.algorithms import ALGORITHMS, SETTING_NAMES
+from stare.algorithms import ALGORITHMS
 
 from . import errors
-from .presets import PresetError, load_preset, parse_sets, preset_names, resolve
+from .errors import fail  # one line, escaped: rich would eat [...] in user values and hints
+from .presets import PresetError, load_preset, preset_names, resolve
 
 app = typer.Typer(
     name="stare",
@@ -33,12 +41,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
-err_console = Console(stderr=True)
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print a one-line error and exit (code 2: bad usage)."""
-    errors.fail(message, code)  # escaped: rich would eat [...] in user values and hints
 
 
 def _version() -> str:
@@ -97,20 +99,6 @@ def algos(
         print_settings(console)  # every --set key: algorithm and run settings, defaults, meaning
 
 
-def _parse_algos(text: str, flag: str | None = None) -> list[str]:
-    algos = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGORITHMS]
-    if not algos:
-        fail(f"{flag or 'algos'} {text!r}: no algorithm named; give one or more, comma-separated, of: "
-             f"{', '.join(ALGORITHMS)}")
-    if unknown:
-        fail(f"{flag + ' ' + repr(text) + ': ' if flag else ''}unknown algorithm {unknown[0]!r}; valid algorithms: "
-             f"{', '.join(ALGORITHMS)}")
-    if len(set(algos)) != len(algos):
-        fail(f"--algos lists an algorithm twice: {text!r}")
-    return algos
-
-
 def _resolve_or_fail(preset: str, algo: str, sets: list[str]) -> dict:
     try:
         return resolve(preset, algo, sets)
@@ -118,38 +106,8 @@ def _resolve_or_fail(preset: str, algo: str, sets: list[str]) -> dict:
         fail(str(exc))
 
 
-def _print_eval(console_: Console, result: dict) -> None:
-    k = result["k"]
-    line = (f"held-out avg@{k} {result['avg_at_k']:.3f}  pass@{k} {result['pass_at_k']:.3f}  "
-            f"greedy {result['greedy_accuracy']:.3f}")
-    if result.get("hard"):
-        h = result["hard"]
-        line += f"  |  hard cases: avg@{k} {h['avg_at_k']:.3f} pass@{k} {h['pass_at_k']:.3f}"
-    console_.print(line)
-
-
-def _check_model_available(resolved: dict, prepare: bool = False) -> None:
-    """A preset on a packaged model fails before any folder is made when the package is missing."""
-    if resolved["settings"].get("model") != "smollm2-135m":
-        return
-    from .local.smollm import MissingModelError, ensure_available, smollm_checkpoint
-
-    try:
-        ensure_available()
-        if prepare:  # convert once here rather than in every worker
-            smollm_checkpoint()
-    except MissingModelError as exc:
-        fail(str(exc), code=1)
-
-
-def _check_device(resolved: dict) -> None:
-    """A local run's ``device`` setting names a device this machine has (``cuda`` needs a visible GPU)."""
-    from .local.device import DeviceError, engine_device
-
-    try:
-        engine_device(resolved["settings"])
-    except DeviceError as exc:
-        fail(str(exc))
+def _dump(data: dict) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
 @app.command()
@@ -182,97 +140,39 @@ def train(
     if ray_address is not None and not ray_address.strip():  # given empty: not "start a head here"
         fail("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start a Ray head "
              "here)")
-    errors.check_out_dir(out or Path("runs") / f"{preset}-{algo}")
+    run_dir = out or Path("runs") / f"{preset}-{algo}"
+    errors.check_out_dir(run_dir)
     if resolved["backend"] == "openrlhf":
-        _train_openrlhf(resolved, out or Path("runs") / f"{preset}-{algo}", ray_address, resume, dry_run)
+        from . import openrlhf_train
+
+        launch_plan = openrlhf_train.plan(resolved, run_dir, ray_address)
+        if dry_run:
+            _dump(launch_plan)
+            return
+        openrlhf_train.train(resolved, launch_plan, run_dir, resume=resume, ray_address=ray_address, console=console)
         return
     if ray_address is not None:
         fail(f"--ray-address {ray_address}: the flag is for GPU presets; {preset!r} is a local preset that trains on "
              "this machine")
     if dry_run:
-        if out is not None:
-            resolved["out"] = str(out)
-        sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
+        _dump({**resolved, "out": str(out)} if out is not None else resolved)
         return
-    from .rundir import RunDirError, check_resumable, prepare_run_dir, remove_unstarted_run
+    from .local.runner import train_arm
 
-    _check_device(resolved)
-    _check_model_available(resolved)
-    out = out or Path("runs") / f"{preset}-{algo}"
-    existed = out.exists()
-    try:
-        if resume:
-            check_resumable(out)  # a cut metrics line, a checkpoint that does not load: one line, before any write
-        started = prepare_run_dir(out, resolved, resume)
-    except RunDirError as exc:
-        fail(str(exc))
-    try:
-        _train_local(resolved, out, preset, algo, resume)
-    except BaseException:
-        if not started:
-            remove_unstarted_run(out, existed)  # failed before its first checkpoint: nothing blocks the retry
-        raise
+    result = train_arm(resolved, run_dir, resume=resume, console=console)
+    console.print(_held_out_line(result))
+    console.print(f"run directory: {escape(str(run_dir))}")
 
 
-def _train_local(resolved: dict, out: Path, preset: str, algo: str, resume: bool) -> None:
-    from .local.runner import quiet
-
-    quiet()
-    from rich.progress import Progress
-
-    from .local.trainer import LocalTrainer
-
-    trainer = LocalTrainer(resolved, out)
-    settings = resolved["settings"]
-    if settings.get("model", "tiny") == "tiny" and not (trainer.warmstart_dir / "warmstart.json").exists():
-        console.print(f"warm start: {settings['warmstart_steps']} supervised steps on noisy demonstrations "
-                      f"(cached in {escape(str(trainer.warmstart_dir))})")
-    from .local import progress as bars
-
-    with Progress(*bars.columns(), console=console) as progress:  # steps, live reward and entropy, ETA
-        task = progress.add_task(f"{algo} on {preset}", total=resolved["settings"]["steps"], status="starting")
-
-        def on_step(step, steps, rec):
-            progress.update(task, completed=step, status=bars.live_status(rec))
-
-        result = trainer.run(resume=resume, on_step=on_step)
-    _print_eval(console, result)
-    console.print(f"run directory: {escape(str(out))}")
-
-
-def _train_openrlhf(resolved: dict, out: Path, ray_address: Optional[str], resume: bool, dry_run: bool) -> None:
-    from .openrlhf_backend import launch as orl
-    from .openrlhf_backend.argv import SettingsError
-
-    try:
-        plan = orl.plan(resolved, out, ray_address)
-    except (SettingsError, orl.LaunchError) as exc:
-        fail(str(exc))
-    if dry_run:
-        sys.stdout.write(json.dumps(plan, indent=2) + "\n")
-        return
-    from .openrlhf_backend import OpenRLHFVersionError
-    from .rundir import RunDirError, check_run_dir, prepare_run_dir
-
-    try:
-        check_run_dir(out, resolved, resume)
-        if ray_address:
-            orl.check_ray_address(ray_address)
-    except (RunDirError, orl.LaunchError) as exc:
-        fail(str(exc))
-    try:
-        from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
-    except ImportError as exc:
-        fail(f"the GPU training stack is not installed ({exc}); pip install 'stare[openrlhf]' or use the "
-             "Docker image (see the README)", code=1)
-    except OpenRLHFVersionError as exc:
-        fail(str(exc), code=1)
-    prepare_run_dir(out, resolved, resume)
-    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> {escape(str(out))}")
-    try:
-        orl.start(resolved, plan, log=errors.plain(console))
-    except orl.LaunchError as exc:
-        fail(str(exc))
+def _held_out_line(result: dict) -> str:
+    """A local run's eval.json on one line: held-out avg@k, pass@k, greedy accuracy (and the hard cases')."""
+    k = result["k"]
+    line = (f"held-out avg@{k} {result['avg_at_k']:.3f}  pass@{k} {result['pass_at_k']:.3f}  "
+            f"greedy {result['greedy_accuracy']:.3f}")
+    if result.get("hard"):
+        h = result["hard"]
+        line += f"  |  hard cases: avg@{k} {h['avg_at_k']:.3f} pass@{k} {h['pass_at_k']:.3f}"
+    return line
 
 
 @app.command()
@@ -290,55 +190,16 @@ def run(
     Writes DIR/<arm>/ per arm (DIR/<arm>/seed<S>/ with several seeds), DIR/comparison.md and .csv, and
     DIR/entropy.png, reward.png, response_length.png.
     """
-    try:
-        p = load_preset(preset)
-    except PresetError as exc:
-        fail(str(exc))
-    if p.backend != "local":
-        fail(f"stare run trains local presets only; {preset!r} is a {p.backend!r} preset (use stare train)")
-    # the arms and seeds: the flags, else `--set algos=... / seeds=...` (the preset settings they override), else
-    # the preset's
-    try:
-        overrides = dict(parse_sets(set_ or []))  # the last --set of a key wins, as in resolve
-    except PresetError as exc:
-        fail(str(exc))
-    if algos is not None:  # given, even empty: what was given is what is checked
-        arm_names = _parse_algos(algos, flag="--algos")
-    else:
-        arm_names = _parse_algos(overrides["algos"], flag="--set algos") if "algos" in overrides else \
-            _parse_algos(p.settings.get("algos", "grpo,dapo,stare,stare-phi"))
-    if seeds is None and "seeds" in overrides:
-        try:
-            seeds = int(overrides["seeds"])
-        except ValueError:
-            seeds = 0
-        if seeds < 1:
-            fail(f"--set seeds={overrides['seeds']}: expected an integer >= 1")
-    n_seeds = seeds or int(p.settings.get("seeds", 1))
-    resolved = {a: _resolve_or_fail(preset, a, set_ or []) for a in arm_names}
-    _check_device(next(iter(resolved.values())))
-    out = out or Path("runs") / preset
-    errors.check_out_dir(out)
-    from .local.runner import run_arms
-    from .plots import plot_curves
-    from .rundir import RunDirError, check_run_set_dir, mark_run_set
-    from .runs import load_run
-    from .tables import write_comparison
+    from .run_set import resolve_run_set
 
     try:
-        check_run_set_dir(out, preset)
-    except RunDirError as exc:
+        arm_set = resolve_run_set(preset, set_ or [], algos=algos, seeds=seeds)
+    except PresetError as exc:
         fail(str(exc))
-    _check_model_available(next(iter(resolved.values())), prepare=True)
-    mark_run_set(out, preset, arm_names, n_seeds)
-    console.print(f"[bold]stare run[/] {preset}: {', '.join(arm_names)} x {n_seeds} seed(s) -> {escape(str(out))}")
-    try:
-        dirs = run_arms(resolved, out, seeds=n_seeds, resume=resume, parallel=parallel, console=console)
-    except RunDirError as exc:
-        fail(str(exc))
-    runs = [load_run(d) for d in dirs]
-    write_comparison(out, runs)
-    plots = plot_curves(out, runs)
+    out = out or Path("runs") / preset
+    from .local.runner import run_set
+
+    plots = run_set(arm_set, out, resume=resume, parallel=parallel, console=console)
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out}/comparison.md, comparison.csv" + "".join(f", {p.name}" for p in plots),
                   markup=False, highlight=False)
@@ -379,90 +240,16 @@ def eval_(
     Writes samples.jsonl (one line per sample, as each problem completes), summary.json and summary.md.
     --harness lm-eval runs the shipped lm-eval tasks instead (no --resume) and writes the same summary fields.
     """
-    from stare.eval import BENCHES, load_bench
-    from stare.eval.data import local_data_file
-    from stare.eval.harness import (EvalRefused, check_backend, check_resume, default_backend, eval_record,
-                                    make_backend, resolve_protocol, run_eval)
+    from stare.eval.summary import scores_line
 
-    from .eval_plan import check_harness, check_model_folder, eval_target
+    from .eval_plan import plan_eval, run_eval_plan
 
-    if bench not in BENCHES:
-        fail(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
-    errors.check_out_dir(out or Path("evals") / bench)
-    try:
-        if backend is not None:
-            check_backend(backend)
-        check_harness(harness, bench, resume=resume, tools=tools)
-        if tools is not None:
-            from .agent.loop import ToolConfig
-            from .agent.multiturn import ToolUseBackend
-
-            tool_config = ToolConfig.from_env()
-        model, out_dir = eval_target(model, out, bench)
-    except ValueError as exc:
-        fail(str(exc))
-    backend = backend or default_backend()
-    errors.check_out_dir(out_dir)
-    try:
-        proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-        local = local_data_file(bench, data_file)
-        if harness == "stare" or local is not None:  # lm-eval reads the hub itself
-            problems = load_bench(bench, data_file=local if local is not None else "hub", limit=limit)
-    except ValueError as exc:
-        fail(str(exc))
-    data = str(Path(local).resolve()) if local is not None else "hub"
-    if resume and harness == "stare":  # the folder's settings, before any model is loaded or anything written
-        try:
-            check_resume(out_dir, eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools))
-        except EvalRefused as exc:
-            fail(str(exc))
-    if (out_dir / "samples.jsonl").exists() and not resume:
-        fail(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare" else "")
-             + "use another --out (nothing was changed)")
-    try:
-        check_model_folder(model)  # a file (README.md), a folder without a readable config.json
-    except ValueError as exc:
-        fail(str(exc))
-    errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
-    from .local.runner import quiet
-
-    quiet()
-    if harness == "lm-eval":
-        from stare.eval.lm_eval_harness import LmEvalError, run_lm_eval
-
-        console.print(f"lm-eval task for {bench}: {proto.k} samples per problem, {backend} model")
-        try:
-            summary = run_lm_eval(bench, model, proto, out_dir, backend=backend, tp=tp, data_file=local,
-                                  limit=limit, seed=seed)
-        except LmEvalError as exc:
-            fail(str(exc))
-        _print_eval_summary(bench, summary, f"protocol {proto.name}, lm-eval", out_dir)
-        return
-    engine = make_backend(backend, model, tp, seed)
-    if tools is not None:
-        try:
-            engine = ToolUseBackend(engine, tool_config, tools)
-        except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
-            fail(str(exc))
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    total = len(problems) * proto.k
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        task = progress.add_task(f"{bench} x {proto.k} samples", total=total)
-        try:
-            summary = run_eval(problems, engine, proto, out_dir, bench=bench, model=model, seed=seed, resume=resume,
-                               progress=lambda n: progress.advance(task, n), data=data, tools=tools)
-        except EvalRefused as exc:
-            progress.stop()
-            fail(str(exc))
-    _print_eval_summary(bench, summary, f"protocol {proto.name}", out_dir)
-
-
-def _print_eval_summary(bench: str, summary: dict, how: str, out_dir: Path) -> None:
-    kk = summary["k"]
-    console.print(f"{bench} ({summary['n_problems']} problems, {how}): avg@{kk} {summary['avg_at_k']:.4f}  "
-                  f"pass@{kk} {summary['pass_at_k']:.4f}  maj@{kk} {summary['maj_at_k']:.4f}  -> {escape(str(out_dir))}/summary.md")
+    plan = plan_eval(bench=bench, model=model, out=out, protocol=protocol, k=k, temperature=temperature, top_p=top_p,
+                     max_tokens=max_tokens, backend=backend, harness=harness, tp=tp, data_file=data_file, limit=limit,
+                     seed=seed, resume=resume, tools=tools)
+    summary = run_eval_plan(plan, console)
+    console.print(f"{bench} ({summary['n_problems']} problems, {plan.how}): {scores_line(summary)}  -> "
+                  f"{escape(str(plan.out))}/summary.md")
 
 
 @app.command()

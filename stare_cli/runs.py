@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stare.algorithms import upgrade_metric_names
+from stare.eval.metrics import compared
 
 from .presets import read_config
 
@@ -246,25 +247,28 @@ def ordered_benches(names) -> list[str]:
 
 
 def bench_measures(summary: dict) -> dict:
-    """The comparison's numbers from one ``stare eval`` summary.json."""
-    ci = (summary.get("ci95") or {}).get("avg_at_k") or [None, None]
-    return {"k": summary.get("k"), "avg_at_k": num(summary.get("avg_at_k")), "pass_at_k": num(summary.get("pass_at_k")),
-            "ci_low": num(ci[0]), "ci_high": num(ci[1]), "reflection": num(summary.get("reflection_per_1k_tokens")),
-            "model": summary.get("model")}
+    """The comparison's numbers from one ``stare eval`` summary.json: k, the metrics the comparison shows
+    (``stare.eval.metrics.compared``: per benchmark under their keys, pooled under their ``compare_name``), the
+    headline metric's interval and the model."""
+    bench = compared("bench")
+    ci = (summary.get("ci95") or {}).get(bench[0].key) or [None, None]
+    return {"k": summary.get("k"), **{m.key: num(summary.get(m.key)) for m in bench},
+            "ci_low": num(ci[0]), "ci_high": num(ci[1]),
+            **{m.compare_name: num(summary.get(m.key)) for m in compared("pooled")}, "model": summary.get("model")}
 
 
 def summarise_benches(evals: list[dict]) -> dict:
-    """bench -> {"k", "avg_at_k", "pass_at_k", "reflection" (each mean/std/n over the runs that have the bench),
-    "ci95" (the bootstrap interval, only when one run has it)} over several runs' ``bench -> summary`` maps."""
+    """bench -> {"k", the key of each metric compared per benchmark (avg_at_k, pass_at_k) and the compare_name of
+    each pooled one (reflection) (each mean/std/n over the runs that have the bench), "ci95" (the headline metric's
+    bootstrap interval, only when one run has it)} over several runs' ``bench -> summary`` maps."""
+    names = [m.key for m in compared("bench")] + [m.compare_name for m in compared("pooled")]
     out = {}
     for b in ordered_benches({b for e in evals for b in e}):
         cells = [bench_measures(e[b]) for e in evals if b in e]
         ks = list(dict.fromkeys(c["k"] for c in cells if c["k"] is not None))
         one = cells[0] if len(cells) == 1 else None
         out[b] = {"k": ks[0] if len(ks) == 1 else "/".join(map(str, ks)) or None,
-                  "avg_at_k": aggregate([c["avg_at_k"] for c in cells]),
-                  "pass_at_k": aggregate([c["pass_at_k"] for c in cells]),
-                  "reflection": aggregate([c["reflection"] for c in cells]),
+                  **{name: aggregate([c[name] for c in cells]) for name in names},
                   "ci95": [one["ci_low"], one["ci_high"]] if one and one["ci_low"] is not None else None}
     return out
 

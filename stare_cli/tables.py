@@ -13,8 +13,9 @@ Columns: arm, seeds, final reward (last ``FINAL_PCT``% of steps), held-out avg@k
 (eval.json), start H (first step), late H, late/start H and band share (last ``LATE_PCT``% of steps), reward
 slope (least squares over the last ``SLOPE_PCT``% of steps); then, when there are hard cases, hard avg@k and
 pass@k and the permutation-test p against the baseline; then, when any row has ``stare eval`` outputs, avg@k
-(with its 95% interval for one run) and pass@k per benchmark and reflection words per 1k tokens. The CSV also
-has the late response length. A value that cannot be computed is a blank cell, never 0.
+(with its 95% interval for one run) and pass@k per benchmark and reflection words per 1k tokens (the metrics
+``stare.eval.metrics.METRICS`` marks for the comparison: ``compared("bench")``, ``compared("pooled")``). The CSV
+also has the late response length. A value that cannot be computed is a blank cell, never 0.
 
 When any run logged the selection telemetry (``stare.cli.runs.TELEMETRY``: gate-on share, mean weight, the Phi > 0
 shares of the boosted and lowered tokens, masked and penalised shares, the entropy forecast with and without the
@@ -29,7 +30,7 @@ import math
 from pathlib import Path
 
 from stare.algorithms import ALGORITHMS
-from stare.eval.metrics import permutation_test
+from stare.eval.metrics import compared, permutation_test
 
 from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, Run, aggregate, common_k, held_out, ordered_benches, run_band,
                    summarise_arm, summarise_benches)
@@ -134,10 +135,11 @@ def _cell(agg: dict | None, n_seeds: int, signed: bool = False, digits: int = 3,
 
 
 def _bench_cell(cell: dict | None, n_seeds: int) -> str:
-    """avg@k with its 95% bootstrap interval (one run) or ± std (several), and k."""
-    if not cell or cell["avg_at_k"]["mean"] is None:
+    """The headline metric (avg@k) with its 95% bootstrap interval (one run) or ± std (several), and k."""
+    head = compared("bench")[0].key
+    if not cell or cell[head]["mean"] is None:
         return ""
-    text = _cell(cell["avg_at_k"], n_seeds)
+    text = _cell(cell[head], n_seeds)
     if cell["ci95"]:
         text += f" [{_fmt(cell['ci95'][0])}, {_fmt(cell['ci95'][1])}]"
     return text + f" (k={cell['k']})"
@@ -331,10 +333,13 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     columns += [("late_response_length", "late response length", "late_response_length", False, False)]
     p_col = f"p hard pass@{kk} vs {baseline}"
     benches = ordered_benches({b for row in arms + eval_rows for b in row["benches"]})
-    has_reflection = any(c["reflection"]["n"] for row in arms + eval_rows for c in row["benches"].values())
+    bench_metrics = compared("bench")  # per benchmark: avg@k (the headline, with its interval and k), pass@k
+    # the pooled metrics (reflection words per 1k tokens) any row measured
+    pooled = [m for m in compared("pooled")
+              if any(c[m.compare_name]["n"] for row in arms + eval_rows for c in row["benches"].values())]
 
-    def reflection(row: dict) -> dict | None:  # the first bench (in bench order) that measured it
-        return next((c["reflection"] for c in row["benches"].values() if c["reflection"]["n"]), None)
+    def pooled_cell(m, bench_cells: dict) -> dict | None:  # the first bench (in bench order) that measured it
+        return next((c[m.compare_name] for c in bench_cells.values() if c[m.compare_name]["n"]), None)
 
     ws = summary["warmstart"]
     # (md label, csv name, seeds, metrics, p, benches)
@@ -351,17 +356,16 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     shown = [c for c in columns if c[4]]
     titles = ["arm", "seeds"] + [c[1] for c in shown] + ([p_col] if show_p else [])
     for b in benches:
-        titles += [f"{b} avg@k", f"{b} pass@k"]
-    titles += ["reflection /1k tok"] if has_reflection else []
+        titles += [f"{b} {m.label('k')}" for m in bench_metrics]
+    titles += [m.compare_header for m in pooled]
     md = ["# Comparison", "", header, "",
           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for label, _, n, metrics, p, bench_cells in rows:
         cells = [label, str(n)] + [_cell(metrics.get(c[0]), n, c[3]) for c in shown] + ([_fmt_p(p)] if show_p else [])
         for b in benches:
             cell = bench_cells.get(b)
-            cells += [_bench_cell(cell, n), _cell(cell["pass_at_k"], n) if cell else ""]
-        if has_reflection:
-            cells.append(_cell(reflection({"benches": bench_cells}), n, digits=2))
+            cells += [_bench_cell(cell, n)] + [_cell(cell[m.key], n) if cell else "" for m in bench_metrics[1:]]
+        cells += [_cell(pooled_cell(m, bench_cells), n, digits=m.compare_digits) for m in pooled]
         md.append("| " + " | ".join(cells) + " |")
     md += ["", f"final reward: mean reward over the last {FINAL_PCT}% of steps; late H and band share: the last "
            f"{LATE_PCT}% of steps; reward slope: least squares over the last {SLOPE_PCT}% of steps; "
@@ -378,10 +382,10 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     # comparison.csv
     fields = ["arm", "seeds"] + [f"{c[2]}_{s}" for c in columns for s in ("mean", "std")] + \
              ([f"p_hard_pass_at_{kk}_vs_{baseline}"] if show_p else [])
-    for b in benches:
-        fields += [f"{b}_avg_at_k_mean", f"{b}_avg_at_k_std", f"{b}_ci_low", f"{b}_ci_high", f"{b}_pass_at_k_mean",
-                   f"{b}_pass_at_k_std", f"{b}_k"]
-    fields += ["reflection_per_1k_tokens_mean", "reflection_per_1k_tokens_std"] if has_reflection else []
+    for b in benches:  # the headline metric with its interval, the other bench metrics, k
+        bench_fields = [f"{b}_{m.key}_{s}" for m in bench_metrics for s in ("mean", "std")]
+        fields += bench_fields[:2] + [f"{b}_ci_low", f"{b}_ci_high"] + bench_fields[2:] + [f"{b}_k"]
+    fields += [f"{m.key}_{s}" for m in pooled for s in ("mean", "std")]
 
     def pair(agg: dict | None) -> list[str]:
         agg = agg or {}
@@ -398,12 +402,14 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
             for b in benches:
                 cell = bench_cells.get(b)
                 if cell is None:
-                    cells += [""] * 7
+                    cells += [""] * (2 * len(bench_metrics) + 3)
                     continue
                 ci = cell["ci95"] or ["", ""]
-                cells += pair(cell["avg_at_k"]) + ["" if v is None else repr(v) for v in ci] + \
-                    pair(cell["pass_at_k"]) + [cell["k"] if cell["k"] is not None else ""]
-            cells += pair(reflection({"benches": bench_cells})) if has_reflection else []
+                cells += pair(cell[bench_metrics[0].key]) + ["" if v is None else repr(v) for v in ci]
+                cells += [x for m in bench_metrics[1:] for x in pair(cell[m.key])]
+                cells.append(cell["k"] if cell["k"] is not None else "")
+            for m in pooled:
+                cells += pair(pooled_cell(m, bench_cells))
             writer.writerow(cells)
 
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2) + "\n")

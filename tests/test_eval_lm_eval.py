@@ -157,3 +157,16 @@ def test_bad_harness_input_one_line_exit_2(tmp_path, args, message):
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_the_tasks_metric_list_is_the_metric_tables():
+    """lm-eval aggregates what a task's metric_list names: it lists every per-problem metric of
+    stare.eval.metrics.METRICS (what process_results returns), each a mean, higher better."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from stare.eval.metrics import problem_metrics
+
+    cfg = load_yaml(TASKS_DIR / "_stare_aime_base.yaml", resolve_func=False)
+    assert [m["metric"] for m in cfg["metric_list"]] == [m.key for m in problem_metrics()]
+    assert all(m["aggregation"] == "mean" and m["higher_is_better"] is True for m in cfg["metric_list"])
+    assert set(utils.process_results({"answer": "1"}, [["\\boxed{1}"]])) == {m.key for m in problem_metrics()}

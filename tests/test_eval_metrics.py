@@ -204,8 +204,9 @@ def test_one_summary_builder_numbers_by_hand(tmp_path):
 
     proto = Protocol("stare", 4, 1.0, 0.7, 16)
     per_problem, per_pass, per_maj = [0.25, 1.0, 0.0], [0.9, 1.0, 0.0], [0.0, 1.0, 0.0]
-    s = core_summary(bench="aime24", model="m", backend="hf", seed=3, proto=proto, per_problem=per_problem,
-                     per_pass=per_pass, per_maj=per_maj, ids=["a", "b", "c"], answers=["1", "2", "3"])
+    per_metric = {"avg_at_k": per_problem, "pass_at_k": per_pass, "maj_at_k": per_maj}
+    s = core_summary(bench="aime24", model="m", backend="hf", seed=3, proto=proto, values=per_metric,
+                     ids=["a", "b", "c"], answers=["1", "2", "3"])
     assert s["avg_at_k"] == pytest.approx(1.25 / 3) and s["pass_at_k"] == pytest.approx(1.9 / 3)
     assert s["maj_at_k"] == pytest.approx(1 / 3) and s["k"] == 4 and s["n_problems"] == 3
     for key, values in (("avg_at_k", per_problem), ("pass_at_k", per_pass), ("maj_at_k", per_maj)):
@@ -214,9 +215,8 @@ def test_one_summary_builder_numbers_by_hand(tmp_path):
     assert s["per_problem"][0] == {"id": "a", "accuracy": 0.25, "answer": "1"}
     assert s["protocol"] == {"name": "stare", "k": 4, "temperature": 1.0, "top_p": 0.7, "max_tokens": 16,
                              "instruction": proto.instruction}
-    lm = core_summary(bench="aime24", model="m", backend="hf", seed=3, proto=proto, per_problem=per_problem,
-                      per_pass=per_pass, per_maj=per_maj, ids=["a", "b", "c"], answers=["1", "2", "3"],
-                      scores={"avg_at_k": 0.5})
+    lm = core_summary(bench="aime24", model="m", backend="hf", seed=3, proto=proto, values=per_metric,
+                      ids=["a", "b", "c"], answers=["1", "2", "3"], scores={"avg_at_k": 0.5})
     assert lm["avg_at_k"] == 0.5 and lm["pass_at_k"] == s["pass_at_k"]
 
     s["mean_response_tokens"] = 12.5
@@ -228,3 +228,43 @@ def test_one_summary_builder_numbers_by_hand(tmp_path):
     assert "| mean response tokens | 12.5 | |" in md and "| mean turns | 1.50 | |" in md
     assert not any(line.startswith("| reflection") for line in md)  # not measured: no row
     assert md[-3:] == ["| a | 1 | 0.250 |", "| b | 2 | 1.000 |", "| c | 3 | 0.000 |"]
+
+
+def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path):
+    """stare.eval.metrics.METRICS is the one definition: a row added there (here a per-problem "first@k", shown in
+    the comparison) is computed by both harnesses, written to summary.json and summary.md, printed on the CLI line
+    and given comparison columns, with no other change."""
+    import json
+
+    from stare.cli.tables import write_comparison
+    from stare.eval import metrics
+    from stare.eval.data import Problem
+    from stare.eval.harness import Protocol, summarise
+    from stare.eval.lm_eval_tasks import utils
+    from stare.eval.summary import scores_line
+
+    row = metrics.Metric("first_at_k", "first@{k}", per_problem=lambda correct, extracted, k: float(correct[0]),
+                         printed=True, compare="bench")
+    metrics.METRICS.append(row)
+    try:
+        problems = [Problem("a", "1+1?", "2"), Problem("b", "2+3?", "5")]
+        results = {p.id: [{"problem_id": p.id, "sample_idx": j, "response": f"\\boxed{{{x}}}", "extracted": x,
+                           "correct": x == p.answer, "num_tokens": 4} for j, x in enumerate(xs)]
+                   for p, xs in zip(problems, (["2", "3"], ["4", "5"]))}
+        summary = summarise(problems, results, Protocol("stare", 2, 1.0, 0.7, 16), bench="aime25", model="m",
+                            backend="hf", seed=0, out=tmp_path)
+        assert summary["first_at_k"] == 0.5 and summary["avg_at_k"] == 0.5 and "first_at_k" not in summary["ci95"]
+        assert json.loads((tmp_path / "summary.json").read_text())["first_at_k"] == 0.5
+        assert "| first@2 | 0.5000 | |" in (tmp_path / "summary.md").read_text()
+        assert scores_line(summary).endswith("maj@2 0.5000  first@2 0.5000")
+        assert utils.process_results({"answer": "5"}, [["\\boxed{4}", "\\boxed{5}"]])["first_at_k"] == 0.0
+        write_comparison(tmp_path / "cmp", [], evals=[summary])
+        md = (tmp_path / "cmp" / "comparison.md").read_text()
+        assert "| aime25 avg@k | aime25 pass@k | aime25 first@k | reflection /1k tok |" in md
+        assert "| 0.500 [0.500, 0.500] (k=2) | 1.000 | 0.500 | 0.00 |" in md  # the row of model m
+        header = (tmp_path / "cmp" / "comparison.csv").read_text().splitlines()[0].split(",")
+        i = header.index("aime25_first_at_k_mean")
+        assert header[i - 2:i + 3] == ["aime25_pass_at_k_mean", "aime25_pass_at_k_std", "aime25_first_at_k_mean",
+                                       "aime25_first_at_k_std", "aime25_k"]
+    finally:
+        metrics.METRICS.remove(row)

@@ -175,13 +175,14 @@ def test_weights_change_the_loss_exactly_when_the_gate_is_on(tmp_path, monkeypat
     from stare.algorithms import METRIC_NAMES
     from stare.cli.local import trainer as trainer_mod
     from stare.cli.presets import resolve
+    from stare.cli.rundir import prepare_run_dir
 
     sets = [s for s in FAST if not s.startswith("micro_batch_size")] + [
         "steps=4", "eval_problems=2", "micro_batch_size=4", "mini_batches=2",
         "scope=micro_batch", "w=2.0", "target_entropy=100.0"]
     res = resolve("tiny-cpu", "stare", sets)
     out = tmp_path / "run"
-    trainer_mod.prepare_run_dir(out, res, False)
+    prepare_run_dir(out, res, False)
     tr = trainer_mod.LocalTrainer(res, out)
     calls, step = [], [1]
     real = trainer_mod.policy_loss

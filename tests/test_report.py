@@ -6,7 +6,9 @@ import math
 import pytest
 import yaml
 
-from stare.cli.local.report import load_run, plot_curves, summarise_arm, write_comparison
+from stare.cli.plots import plot_curves
+from stare.cli.runs import load_run, summarise_arm
+from stare.cli.tables import write_comparison
 from stare.eval.metrics import permutation_test
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -439,3 +439,50 @@ def test_the_runners_layers_report_may_come_before_the_supervisors_started():
         os.close(r)
         if w is not None:
             os.close(w)
+
+
+# --------------------------------------------------------------------------------------------------
+# which isolation a call got, and `namespaces` where there are none
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_isolation_a_call_ran_with_is_recorded():
+    from stare.cli.agent.sandbox import resolve_isolation
+
+    assert run("print(1)", isolation="basic").isolation_used == "basic"
+    assert run("print(1)", isolation="auto").isolation_used == ("namespaces" if NS else "basic")
+    assert resolve_isolation("basic") == "basic"
+    assert resolve_isolation("auto") == ("namespaces" if NS else "basic")
+    if NS:
+        assert run("print(1)", isolation="namespaces").isolation_used == "namespaces"
+        assert resolve_isolation("namespaces") == "namespaces"
+
+
+NO_NS_PROBE = """
+import json
+from stare.cli.agent.sandbox import SandboxError, resolve_isolation, run_python
+out = {}
+for name, call in (("resolve", lambda: resolve_isolation("namespaces")),
+                   ("run", lambda: run_python("print(1)", isolation="namespaces"))):
+    try:
+        call()
+        out[name] = "no error"
+    except SandboxError as exc:
+        out[name] = str(exc)
+out["auto"] = resolve_isolation("auto")
+print(json.dumps(out))
+"""
+
+
+def test_namespaces_where_unavailable_fail_in_one_line_and_auto_falls_back():
+    """Where user namespaces cannot be made (simulated as the sandbox detects it: its unshare fails), asking for
+    ``namespaces`` is one line naming the isolation, why it is unavailable and what to set instead; ``auto`` is the
+    audit-hook fallback, ``basic``."""
+    from no_userns import run_json_without_userns
+
+    out = run_json_without_userns(NO_NS_PROBE, namespaces_here=NS, timeout=300)
+    assert out["auto"] == "basic"
+    assert out["resolve"] == out["run"]
+    line = out["resolve"]
+    assert "\n" not in line and line.startswith("sandbox isolation 'namespaces' is unavailable here: ")
+    assert "unshare" in line and "seccomp=unconfined" in line and "STARE_SANDBOX_ISOLATION=auto" in line

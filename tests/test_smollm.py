@@ -99,7 +99,8 @@ def test_tokenizer_round_trips_a_chat_prompt(checkpoint):
 
 @needs_weights
 def test_two_grpo_steps_end_to_end(checkpoint, tmp_path):
-    from stare.cli.local.trainer import LocalTrainer, prepare_run_dir
+    from stare.cli.local.trainer import LocalTrainer
+    from stare.cli.rundir import prepare_run_dir
     from stare.cli.presets import resolve
 
     out = tmp_path / "run"

@@ -16,8 +16,13 @@ import pytest
 
 from stare.cli.agent.loop import (TOOL_INSTRUCTION, ToolConfig, ToolEpisode, chat_format,
                                   format_for, observation_body, parse_action, plain_format)
-from stare.cli.agent.sandbox import SandboxResult
+from stare.cli.agent.sandbox import SandboxResult, isolation_report
 from tiny_models import INSTRUCTION, PROBLEMS, build_tiny_model, write_problems
+
+NS = isolation_report()["namespaces"]
+# the tool loop asks for namespaces (its default) where the machine has them, else for the fallback; USED is the
+# isolation the calls then run with
+ISOLATION, USED = ("namespaces", "namespaces") if NS else ("auto", "basic")
 
 AGENT_FILE = str(Path(__file__).resolve().parents[1] / "stare_cli" / "agent" / "python_agent.py")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -26,6 +31,12 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def code(src: str) -> str:
     return f"Let me compute.\n```python\n{src}\n```"
+
+
+@pytest.fixture(autouse=True)
+def sandbox_isolation(monkeypatch):
+    """What the agent and `stare eval --tools` read (STARE_SANDBOX_ISOLATION): namespaces here when there are some."""
+    monkeypatch.setenv("STARE_SANDBOX_ISOLATION", ISOLATION)
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +141,15 @@ def test_turn_limit_and_budget_end_the_episode():
 def test_tool_config_from_env(monkeypatch):
     monkeypatch.setenv("STARE_TOOL_MAX_TURNS", "6")
     monkeypatch.setenv("STARE_TOOL_TIMEOUT_S", "2.5")
+    monkeypatch.delenv("STARE_SANDBOX_ISOLATION")
     cfg = ToolConfig.from_env()
-    assert (cfg.max_turns, cfg.timeout_s, cfg.memory_mb) == (6, 2.5, 1024)
+    assert (cfg.max_turns, cfg.timeout_s, cfg.memory_mb, cfg.isolation) == (6, 2.5, 1024, "namespaces")
+    monkeypatch.setenv("STARE_SANDBOX_ISOLATION", "auto")
+    assert ToolConfig.from_env().isolation == "auto"  # the fallback only when asked for
+    monkeypatch.setenv("STARE_SANDBOX_ISOLATION", "docker")
+    with pytest.raises(ValueError, match="STARE_SANDBOX_ISOLATION must be auto, namespaces or basic, got 'docker'"):
+        ToolConfig.from_env()
+    monkeypatch.delenv("STARE_SANDBOX_ISOLATION")
     monkeypatch.setenv("STARE_TOOL_MAX_TURNS", "many")
     with pytest.raises(ValueError, match="STARE_TOOL_MAX_TURNS must be an integer"):
         ToolConfig.from_env()
@@ -179,10 +197,25 @@ def test_correct_answer_after_two_tool_turns_scores_one(agent_cls):
     assert "```output\n144\n```" in res[0]["environment_feedback"] and "44" in res[1]["environment_feedback"]
     assert [r["rewards"].item() for r in res] == [0.0, 0.0, 1.0]  # OpenRLHF sums them: 1 in all
     assert res[-1]["scores"].item() == 1.0 and res[-1]["environment_feedback"] == ""
-    assert res[-1]["extra_logs"] == {"tool_turns": 3.0, "tool_calls": 2.0, "tool_errors": 0.0, "tool_answered": 1.0}
+    assert res[-1]["extra_logs"] == {"tool_turns": 3.0, "tool_calls": 2.0, "tool_errors": 0.0, "tool_answered": 1.0,
+                                     "tool_sandbox_namespaces": float(NS)}
     agent = agent_cls()
     res = drive(agent, [code("print(12 * 12)"), "It is \\boxed{145}."], "144")
     assert sum(r["rewards"].item() for r in res) == 0.0 and res[-1]["done"]
+
+
+def test_the_isolation_each_sample_used_is_logged(monkeypatch):
+    """extra_logs' tool_sandbox_namespaces: 1.0 for a sample whose tool calls ran in the namespaces (the default; a
+    sample without a call gets what its sandbox was set to), 0.0 for the fallback, asked for with basic here."""
+    from stare.cli.agent.python_agent import PythonToolAgent
+
+    monkeypatch.setenv("STARE_SANDBOX_ISOLATION", "basic")
+    res = drive(PythonToolAgent(), [code("print(6 * 7)"), "\\boxed{42}"], "42")
+    assert res[0]["environment_feedback"].startswith("\n```output\n42") and res[-1]["rewards"].item() == 1.0
+    assert res[-1]["extra_logs"]["tool_sandbox_namespaces"] == 0.0
+    if NS:
+        monkeypatch.setenv("STARE_SANDBOX_ISOLATION", "namespaces")
+        assert drive(PythonToolAgent(), ["\\boxed{42}"], "42")[-1]["extra_logs"]["tool_sandbox_namespaces"] == 1.0
 
 
 ATTACKS = {
@@ -259,11 +292,14 @@ class ScriptedEngine:
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_tool_output_tokens_are_not_actions(openrlhf_loaders, tokenizers, monkeypatch, chat):
+def test_tool_output_tokens_are_not_actions(openrlhf_loaders, tokenizers, monkeypatch, capsys, chat):
     load, SamplesGenerator, SamplingParams = openrlhf_loaders
     monkeypatch.setenv("STARE_TOOL_MAX_TURNS", "4")
     tok = tokenizers[1] if chat else tokenizers[0]
     executor = load(AGENT_FILE)  # exactly what --train.agent_func_path does
+    # the rollout actor's log says which isolation its sandbox got
+    logged = capsys.readouterr().out
+    assert f"stare tool agent: sandbox isolation {USED} (STARE_SANDBOX_ISOLATION={ISOLATION})" in logged
     turns = [code("print(2 ** 10)"), code("print(1024 + 1)"), "Answer: \\boxed{1025}"]
     engine = ScriptedEngine(tok, turns, eos=chat)
     prompt = "What is 2**10 + 1?\n"
@@ -274,6 +310,8 @@ def test_tool_output_tokens_are_not_actions(openrlhf_loaders, tokenizers, monkey
     assert stops == ([None] * 3 if chat else [["```output"]] * 3)  # plain text stops where an output block opens
 
     exp = SamplesGenerator._process_response_into_experience(None, out, max_len=4096)
+    # the agent's extra logs become per-sample tensors, logged as train/<key>: the sandbox's isolation among them
+    assert exp.info["tool_sandbox_namespaces"].tolist() == [float(NS)] and exp.info["tool_calls"].tolist() == [2.0]
     seq = exp.sequences[0].tolist()
     mask = [0] + exp.action_mask[0].tolist()  # OpenRLHF's mask is shifted by one (it scores token t from t-1)
     assert len(mask) == len(seq)
@@ -358,6 +396,9 @@ def test_eval_with_tools_end_to_end(tool_model, tmp_path):
     assert summary["tools"]["tool"] == "python" and summary["tools"]["format"] == "plain"
     assert summary["avg_at_k"] == 1.0
     assert "| mean tool calls |" in (out / "summary.md").read_text()
+    # the isolation the tool calls ran with: per sample and in the summary
+    assert [r["sandbox_isolation"] for r in rows] == [USED] * 3 and summary["sandbox_isolation"] == USED
+    assert f"| sandbox isolation | {USED} | |" in (out / "summary.md").read_text()
 
 
 def test_eval_tools_bad_input(tmp_path):
@@ -394,7 +435,7 @@ def test_tools_on_the_vllm_backend_interface(tokenizers):
                          ("So \\boxed{33}", True)])
     inner = SimpleNamespace(name="vllm", tokenizer=tok, llm=llm, _sampling_params=lambda **kw: kw,
                             prompt_text=lambda problem, instruction: f"{problem}\n{instruction}")
-    backend = ToolUseBackend(inner, ToolConfig(max_turns=3))
+    backend = ToolUseBackend(inner, ToolConfig(max_turns=3, isolation=ISOLATION))
     assert TOOL_INSTRUCTION in backend.prompt_text("Q", INSTRUCTION)
     (a, n_a, xa), (b, n_b, xb) = backend.generate("Q", 2, Protocol("stare", 2, 1.0, 0.7, 200), seed=1)
     assert llm.params[0][0]["stop"] == ["```output"] and llm.params[0][0]["include_stop_str_in_output"]
@@ -402,7 +443,8 @@ def test_tools_on_the_vllm_backend_interface(tokenizers):
     assert xa["turns"] == 2 and xa["tool_calls"] == 1 and xa["answer_text"] == "So \\boxed{33}"
     assert a.startswith("```python\nprint(3 * 11)\n```\n```output\n33\n```\n") and a.endswith("So \\boxed{33}")
     assert xb == {"answer_text": None, "turns": 1, "tool_calls": 0, "tool_errors": 0, "done_reason": "no_action",
-                  "tool_output_tokens": 0, "truncated": False}
+                  "tool_output_tokens": 0, "truncated": False, "sandbox_isolation": USED}  # no call: the set one
+    assert xa["sandbox_isolation"] == USED
     assert n_b == len(tok("no clue", add_special_tokens=False)["input_ids"])  # EOS not counted
 
 
@@ -477,7 +519,7 @@ def test_tools_on_vllm_context_full_ends_one_sample_and_seeds_are_distinct(token
 
     module, calls = make_vllm(model, max_model_len=context)
     monkeypatch.setitem(sys.modules, "vllm", module)
-    backend = ToolUseBackend(make_backend("vllm", str(folder)), ToolConfig(max_turns=3))
+    backend = ToolUseBackend(make_backend("vllm", str(folder)), ToolConfig(max_turns=3, isolation=ISOLATION))
     (a, _, xa), (b, _, xb) = backend.generate(prompt, 2, Protocol("stare", 2, 1.0, 0.7, 4000), seed=base)
     assert backend.context_length == context
     assert xa["done_reason"] == "context" and xa["truncated"] and xa["tool_calls"] == 1
@@ -515,9 +557,51 @@ def test_tool_output_never_overshoots_the_token_budget(tokenizers):
     inner = SimpleNamespace(name="vllm", tokenizer=tok, llm=llm, _sampling_params=lambda **kw: kw,
                             prompt_text=lambda problem, instruction: f"{problem}\n{instruction}")
     budget = len(tok(action, add_special_tokens=False)["input_ids"]) + 25  # room for 25 tokens of output
-    backend = ToolUseBackend(inner, ToolConfig(max_turns=3))
+    backend = ToolUseBackend(inner, ToolConfig(max_turns=3, isolation=ISOLATION))
     ((text, n_model, extra),) = backend.generate("Q", 1, Protocol("stare", 1, 1.0, 0.7, budget), seed=1)
     assert extra["tool_calls"] == 1 and extra["done_reason"] == "token_budget" and extra["truncated"]
     assert n_model + extra["tool_output_tokens"] == budget  # filled exactly, not past it
     assert text.startswith(action) and "x x x" in text
     assert len(llm.params) == 1  # the sample never went back to the engine
+
+
+NO_NS_TOOL_USE = """
+import json, subprocess, sys
+eval_args, train_args = json.loads(sys.argv[1])
+out = {}
+try:
+    from stare.cli.agent.python_agent import AgentExecutor
+    AgentExecutor()  # what a rollout actor does when it loads --train.agent_func_path
+    out["agent"] = "no error"
+except Exception as exc:
+    out["agent"] = f"{type(exc).__name__}: {exc}"
+for name, args in (("eval", eval_args), ("train", train_args)):
+    res = subprocess.run([sys.executable, "-m", "stare.cli.main", *args], capture_output=True, text=True)
+    out[name] = [res.returncode, res.stderr]
+print(json.dumps(out))
+"""
+
+
+def test_tool_use_where_namespaces_are_unavailable_fails_in_one_line(tmp_path, monkeypatch):
+    """Without user namespaces (simulated as the sandbox detects it), the tool-use paths, which default to isolation
+    namespaces, stop before any work with the sandbox's one line: the training agent when a rollout actor loads it,
+    `stare eval --tools python` and `stare train --preset qwen-7b-tool-use` (exit 2, nothing written)."""
+    from no_userns import run_json_without_userns
+
+    monkeypatch.delenv("STARE_SANDBOX_ISOLATION")  # the default
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "sft").mkdir()
+    data = write_problems(tmp_path / "mini.jsonl")
+    eval_args = ["eval", "--bench", "aime25", "--model", str(tmp_path / "model"), "--data-file", str(data),
+                 "--backend", "hf", "--tools", "python", "--out", str(tmp_path / "ev")]
+    train_args = ["train", "--preset", "qwen-7b-tool-use", "--set", f"cold_start_checkpoint={tmp_path / 'sft'}",
+                  "--out", str(tmp_path / "run")]
+    out = run_json_without_userns(NO_NS_TOOL_USE, json.dumps([eval_args, train_args]), namespaces_here=NS)
+    expected = "sandbox isolation 'namespaces' is unavailable here: "
+    assert out["agent"].startswith(f"SandboxError: {expected}") and "STARE_SANDBOX_ISOLATION=auto" in out["agent"]
+    for name in ("eval", "train"):
+        code, stderr = out[name]
+        lines = [x for x in stderr.splitlines() if x.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), (name, stderr[-2000:])
+    assert not (tmp_path / "ev").exists() and not (tmp_path / "run").exists()

@@ -5,15 +5,17 @@
 - ``doc_to_text``: the problem and the boxed-answer instruction, exactly as ``stare eval`` asks it.
 - ``keep_all``: a filter that keeps all ``repeats`` responses of a problem (lm-eval's default keeps the first).
 - ``process_results``: scores every response's last ``\\boxed{}`` answer with ``stare.eval.score_many``
-  (math-verify, so "033" equals 33 and \\frac12 equals 0.5) and returns the problem's accuracy over its k
-  samples (``avg_at_k``; its mean over problems is avg@k), whether any sample is right (``pass_at_k``) and
-  whether the majority answer is right (``maj_at_k``).
+  (math-verify, so "033" equals 33 and \\frac12 equals 0.5) and returns each per-problem metric of
+  ``stare.eval.metrics.METRICS`` over its k samples, as the stare harness computes it: the accuracy (``avg_at_k``;
+  its mean over problems is avg@k), pass@k with k = n (whether any sample is right, ``pass_at_k``) and whether the
+  majority answer is right (``maj_at_k``). lm-eval aggregates what the task's ``metric_list`` names, so a new
+  per-problem metric is listed there too (``_stare_aime_base.yaml``; a test checks the two agree).
 """
 from __future__ import annotations
 
 from stare.eval.data import answer_str, repair_escapes
 from stare.eval.harness import BOXED_INSTRUCTION
-from stare.eval.metrics import majority_votes
+from stare.eval.metrics import problem_metrics
 from stare.eval.scoring import extract_boxed, score_many
 
 def _field(row: dict, name: str):
@@ -57,11 +59,11 @@ def _responses(results) -> list[str]:
 
 
 def process_results(doc: dict, results) -> dict[str, float]:
+    """Every per-problem metric of ``stare.eval.metrics.METRICS`` for this problem's responses (k = their count),
+    computed as the stare harness computes it."""
     responses = _responses(results)
     if not responses:
-        return {"avg_at_k": 0.0, "pass_at_k": 0.0, "maj_at_k": 0.0}
+        return {m.key: 0.0 for m in problem_metrics()}
     correct = score_many([(r, doc["answer"]) for r in responses])
     extracted = [extract_boxed(r) for r in responses]
-    return {"avg_at_k": sum(correct) / len(correct),
-            "pass_at_k": float(any(correct)),
-            "maj_at_k": float(majority_votes([extracted], [correct])[0])}
+    return {m.key: m.per_problem(correct, extracted, len(correct)) for m in problem_metrics()}

@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .sandbox import SandboxResult, run_python
+from .sandbox import ISOLATION_MODES, SandboxResult, resolve_isolation, run_python
 
 __all__ = ["ToolConfig", "ToolCall", "Action", "ObservationFormat", "ToolEpisode", "parse_action",
            "observation_body", "plain_format", "chat_format", "format_for", "TOOL_INSTRUCTION", "turn_is_complete"]
@@ -31,6 +31,7 @@ TOOL_INSTRUCTION = ("You may write Python code in ```python blocks; each block i
 # a closed ```python (or ```py) block; the code is group 1
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\r?\n(.*?)```", re.DOTALL)
 OUTPUT_FENCE = "```output"
+_ISOLATION_CHOICES = f"{', '.join(ISOLATION_MODES[:-1])} or {ISOLATION_MODES[-1]}"
 
 
 def _env_number(name: str, default, kind=int):
@@ -55,6 +56,9 @@ class ToolConfig:
     memory_mb: int = 1024  # address space per tool call
     max_output_chars: int = 1024  # stdout + stderr shown to the model per call (head and tail kept)
     format: str = "auto"  # auto (chat when the tokenizer has a template), chat, plain
+    # the sandbox's isolation (stare.cli.agent.sandbox): namespaces, or fail; auto (namespaces when available, else
+    # the audit-hook fallback) and basic only when asked for
+    isolation: str = "namespaces"
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -67,15 +71,25 @@ class ToolConfig:
             raise ValueError(f"max_output_chars must be >= 64, got {self.max_output_chars}")
         if self.format not in ("auto", "chat", "plain"):
             raise ValueError(f"format must be auto, chat or plain, got {self.format!r}")
+        if self.isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation must be {_ISOLATION_CHOICES}, got {self.isolation!r}")
 
     @classmethod
     def from_env(cls) -> "ToolConfig":
         d = cls()
+        isolation = os.environ.get("STARE_SANDBOX_ISOLATION") or d.isolation
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"STARE_SANDBOX_ISOLATION must be {_ISOLATION_CHOICES}, got {isolation!r}")
         return cls(max_turns=_env_number("STARE_TOOL_MAX_TURNS", d.max_turns, int),
                    timeout_s=_env_number("STARE_TOOL_TIMEOUT_S", d.timeout_s, float),
                    memory_mb=_env_number("STARE_TOOL_MEMORY_MB", d.memory_mb, int),
                    max_output_chars=_env_number("STARE_TOOL_MAX_OUTPUT_CHARS", d.max_output_chars, int),
-                   format=os.environ.get("STARE_TOOL_FORMAT") or d.format)
+                   format=os.environ.get("STARE_TOOL_FORMAT") or d.format, isolation=isolation)
+
+    def resolve_isolation(self) -> str:
+        """The isolation the tool calls get on this machine (namespaces | basic); ``SandboxError`` (one line) when
+        ``isolation`` is ``namespaces`` and there are none. Probed once per process."""
+        return resolve_isolation(self.isolation)
 
 
 @dataclass
@@ -236,6 +250,7 @@ class ToolEpisode:
     done_reason: str | None = None  # answer | no_action | max_turns | token_budget | context
     final_text: str | None = None  # the turn that gave the final answer
     answer: str | None = None
+    isolation: str | None = None  # the sandbox isolation the tool calls ran with (basic if any did), None: no call
 
     def step(self, action_text: str, *, ended_turn: bool = True, budget_left: int | None = None,
              context_left: int | None = None) -> str:
@@ -260,7 +275,9 @@ class ToolEpisode:
         if context_left is not None and context_left <= 0:
             return self._finish("context")
         result = self.runner(action.code, timeout_s=self.config.timeout_s, memory_mb=self.config.memory_mb,
-                             max_output_chars=max(self.config.max_output_chars, 1024))
+                             max_output_chars=max(self.config.max_output_chars, 1024), isolation=self.config.isolation)
+        if result.isolation_used and self.isolation != "basic":
+            self.isolation = result.isolation_used
         body = observation_body(result, self.config.max_output_chars)
         feedback = self.fmt.wrap(body, action_text=action_text, ended_turn=ended_turn)
         self.tool_calls.append(ToolCall(action.code, result.stdout, result.stderr, result.error_kind, result.error,

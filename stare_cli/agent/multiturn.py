@@ -15,7 +15,12 @@ too: a sample whose context is full ends (``done_reason`` ``context``) while the
 whole batch when one prompt fills the context; a prompt that does not fit at all raises ``PromptTooLong``. Each
 sample returns ``(transcript, model_tokens, extra)``: the transcript holds turns and observations; ``extra`` has
 ``answer_text`` (the final answer turn, the only text scored), ``turns``, ``tool_calls``, ``tool_errors``,
-``tool_output_tokens``, ``done_reason`` and ``truncated`` (the token budget or the context cut the sample).
+``tool_output_tokens``, ``done_reason``, ``truncated`` (the token budget or the context cut the sample) and
+``sandbox_isolation`` (what its tool calls ran in: ``namespaces``, or ``basic`` if any call fell back; a sample
+without a call gets the isolation the sandbox resolved to here).
+
+The sandbox's isolation is resolved when the backend is made (``ToolConfig.isolation``, by default ``namespaces``:
+``SandboxError``, one line, where this machine has none).
 
 Seeds: turn 0 of sample j draws from the harness's sample seed ``seed + j``, later turns from
 ``stare.eval.harness.turn_seed`` (never a sample seed); the HF backend seeds a round's batch with
@@ -44,6 +49,7 @@ class ToolUseBackend:
         self.name = inner.name
         self.tokenizer = inner.tokenizer
         self.config = config or ToolConfig()
+        self.isolation = self.config.resolve_isolation()  # namespaces, or fail (unless auto/basic was asked for)
         self.fmt = format_for(self.tokenizer, self.config.format)
         self.tools_info = {"tool": tool, "format": self.fmt.kind, "max_turns": self.config.max_turns,
                            "timeout_s": self.config.timeout_s, "memory_mb": self.config.memory_mb,
@@ -140,7 +146,7 @@ class ToolUseBackend:
         for i, ep in enumerate(episodes):
             truncated = cut[i] or ep.done_reason in ("token_budget", "context")
             extra = {"answer_text": ep.final_text, **ep.summary(), "tool_output_tokens": tool_tokens[i],
-                     "truncated": truncated}
+                     "truncated": truncated, "sandbox_isolation": ep.isolation or self.isolation}
             out.append((transcript[i], model_tokens[i], extra))
         return out
 

@@ -11,14 +11,21 @@ rejects unknown flags (set them in the Ray runtime env so the rollout actors see
 - ``STARE_TOOL_FORMAT`` (auto): ``chat`` (tool output as a user turn of the tokenizer's chat template; the model
   ends its turn with its end-of-turn token), ``plain`` (a ```` ```output ```` block in the same text; generation
   stops at ```` ```output ````), ``auto`` (chat when the tokenizer has a template)
-- ``STARE_SANDBOX_ISOLATION`` (auto): see ``stare.cli.agent.sandbox``
+- ``STARE_SANDBOX_ISOLATION`` (namespaces): the sandbox's isolation (``stare.cli.agent.sandbox``). ``namespaces``
+  is checked when the rollout actor loads the agent and fails there, in one line, where the machine has no user
+  namespaces (Docker's default seccomp profile); ``auto`` (the audit-hook fallback where there are none) and
+  ``basic`` only when set. The isolation used is printed once per rollout actor and logged per sample.
 
 How OpenRLHF uses what ``step`` returns (``openrlhf/utils/agent.py``, ``MultiTurnAgentExecutor.execute``): each
 generated turn's token span is appended to ``action_ranges``; ``environment_feedback`` is tokenized and appended
 *after* that span, outside every range; ``SamplesGenerator._process_response_into_experience`` sets the action
 mask to 1 on the ranges only, so the tool output is context, never an action. ``rewards`` are summed over the
 steps (here 0 until the last step, then the final answer's math-verify score); ``scores`` of the last step feed
-dynamic filtering; ``extra_logs`` of the last step are logged (turns, tool calls, tool errors, answered).
+dynamic filtering; ``extra_logs`` of the last step are logged (turns, tool calls, tool errors, answered, and
+``tool_sandbox_namespaces``: 1.0 when the sample's tool calls ran in the sandbox's namespaces, 0.0 for the
+fallback). ``_process_response_into_experience`` turns each extra log into ``torch.tensor([value])`` in the
+experience's ``info`` (numbers only), which the actor logs as ``train/<key>``, a mean over samples: a run logs
+``train/tool_sandbox_namespaces`` 1.0 when every sample was isolated by namespaces.
 
 Where a turn stops (the same rule as ``stare eval --tools python``, ``stare.cli.agent.multiturn``): at the
 tokenizer's EOS and at the chat template's end-of-turn token (``<|im_end|>`` for ChatML), both passed to vLLM as
@@ -81,10 +88,12 @@ class PythonToolAgent(AgentInstanceBase):
 
     fmt: ObservationFormat | None = None  # set on the subclass the executor binds to its tokenizer
     config: ToolConfig | None = None
+    isolation: str | None = None  # the sandbox isolation the executor resolved (namespaces | basic)
 
     def __init__(self, *args, **kwargs):
-        self.episode = ToolEpisode(config=self.config or ToolConfig.from_env(),
-                                   fmt=self.fmt or ObservationFormat("plain"))
+        config = self.config or ToolConfig.from_env()
+        self.episode = ToolEpisode(config=config, fmt=self.fmt or ObservationFormat("plain"))
+        self.isolation = self.isolation or config.resolve_isolation()
         self.label = None
         self._turns = _TURNS.get()
 
@@ -108,7 +117,8 @@ class PythonToolAgent(AgentInstanceBase):
             "environment_feedback": feedback,
             "done": ep.done,
             "extra_logs": {"tool_turns": float(ep.turns), "tool_calls": float(len(ep.tool_calls)),
-                           "tool_errors": float(ep.tool_errors), "tool_answered": float(ep.done_reason == "answer")},
+                           "tool_errors": float(ep.tool_errors), "tool_answered": float(ep.done_reason == "answer"),
+                           "tool_sandbox_namespaces": float((ep.isolation or self.isolation) == "namespaces")},
         }
 
 
@@ -120,13 +130,17 @@ class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(PythonToolAgent)
         self.config = ToolConfig.from_env()  # a bad setting fails when the rollout actor starts, not mid-run
+        self.isolation = self.config.resolve_isolation()  # so does a sandbox without its isolation (one line)
+        print(f"stare tool agent: sandbox isolation {self.isolation} (STARE_SANDBOX_ISOLATION="
+              f"{self.config.isolation})", flush=True)
         self._bound = None
         self._stop_ids: list[int] = []
 
     def _bind(self, hf_tokenizer):
         if self._bound is None:
             fmt = format_for(hf_tokenizer, self.config.format)
-            self._bound = type("BoundPythonToolAgent", (PythonToolAgent,), {"fmt": fmt, "config": self.config})
+            self._bound = type("BoundPythonToolAgent", (PythonToolAgent,),
+                               {"fmt": fmt, "config": self.config, "isolation": self.isolation})
             self.agent_instance_cls = self._bound
             self._stop_ids = end_token_ids(hf_tokenizer, fmt)
         return self._bound.fmt

@@ -39,7 +39,11 @@ What is then *not* isolated at the kernel level: the network (only the audit hoo
 reads of files the code's uid may use (likewise), and process creation through ctypes (bounded by
 RLIMIT_NPROC only for a non-root uid).
 
-``STARE_SANDBOX_ISOLATION`` = ``auto`` (default), ``namespaces`` (fail when unavailable) or ``basic``.
+``STARE_SANDBOX_ISOLATION`` = ``auto`` (namespaces when available, else the fallback, silently), ``namespaces``
+(fail when unavailable) or ``basic`` (the fallback). ``run_python`` alone defaults to ``auto``; the tool loop
+(``stare eval --tools``, the training agent: ``stare.cli.agent.loop.ToolConfig``) defaults to ``namespaces`` and
+checks it up front with ``resolve_isolation``, which raises ``SandboxError`` with one line (the isolation, why it
+is unavailable here, what to set instead). ``SandboxResult.isolation_used`` says which one a call ran with.
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SandboxResult", "SandboxError", "run_python", "isolation_report", "CHILD_SCRIPT"]
+__all__ = ["SandboxResult", "SandboxError", "run_python", "isolation_report", "resolve_isolation",
+           "namespaces_available", "CHILD_SCRIPT"]
 
 CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
 ISOLATION_MODES = ("auto", "namespaces", "basic")
@@ -87,7 +92,8 @@ class SandboxResult:
     error: str | None = None  # one line saying what went wrong, for the observation
     stdout_truncated: bool = False
     stderr_truncated: bool = False
-    isolation: list[str] = field(default_factory=list)
+    isolation: list[str] = field(default_factory=list)  # the layers that held
+    isolation_used: str | None = None  # namespaces | basic (None: the sandbox did not start)
     notes: list[str] = field(default_factory=list)
     duration_s: float = 0.0
 
@@ -149,6 +155,40 @@ def _isolation_mode(isolation: str | None) -> str:
     if mode not in ISOLATION_MODES:
         raise SandboxError(f"unknown sandbox isolation {mode!r}; valid: {', '.join(ISOLATION_MODES)}")
     return mode
+
+
+def unavailable_message(error: str | None) -> str:
+    """The one line for ``namespaces`` asked for where user namespaces cannot be made (``error``: the probe's)."""
+    return (f"sandbox isolation 'namespaces' is unavailable here: this process may not create user namespaces "
+            f"({error or 'the probe failed'}; Docker's default seccomp and AppArmor profiles forbid them, and so "
+            "does kernel.apparmor_restrict_unprivileged_userns=1); run the container with --security-opt "
+            "seccomp=unconfined --security-opt apparmor=unconfined (or a profile that allows unshare and mount), or "
+            "set STARE_SANDBOX_ISOLATION=auto to accept the audit-hook fallback (no kernel isolation)")
+
+
+def namespaces_available() -> tuple[bool, str | None]:
+    """Whether the sandbox gets its namespaces on this machine, and why not: the supervisor's own ``unshare``, run
+    once by a probe call and cached for the process (as every call's)."""
+    if "available" not in _ns_state:
+        res = run_python("pass", timeout_s=20, isolation="auto")
+        if "available" not in _ns_state:  # the sandbox did not even start
+            return False, res.error
+    return bool(_ns_state["available"]), _ns_state.get("error")
+
+
+def resolve_isolation(isolation: str | None = None) -> str:
+    """The isolation calls with ``isolation`` (default: ``STARE_SANDBOX_ISOLATION``, else ``auto``) get here:
+    ``namespaces`` or ``basic``. ``SandboxError`` with ``unavailable_message`` for ``namespaces`` where there are
+    none."""
+    mode = _isolation_mode(isolation)
+    if mode == "basic":
+        return "basic"
+    available, error = namespaces_available()
+    if available:
+        return "namespaces"
+    if mode == "namespaces":
+        raise SandboxError(unavailable_message(error))
+    return "basic"
 
 
 def _unique(paths) -> list[str]:
@@ -263,7 +303,7 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: float | None = None
     mode = _isolation_mode(isolation)
     want_ns = mode != "basic" and _ns_state.get("available", True)
     if mode == "namespaces" and not want_ns:
-        raise SandboxError(f"user namespaces are unavailable here: {_ns_state.get('error')}")
+        raise SandboxError(unavailable_message(_ns_state.get("error")))
     start = time.monotonic()
     scratch = os.path.realpath(tempfile.mkdtemp(prefix="stare-sandbox-"))
     os.chmod(scratch, 0o755)
@@ -307,7 +347,8 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: float | None = None
                 _ns_state.setdefault("available", bool(ready["namespaces"]))
                 _ns_state.setdefault("error", ready.get("error"))
         if mode == "namespaces" and not ready["namespaces"]:
-            raise _Failed(f"user namespaces are unavailable here: {ready.get('error')}", fatal=True)
+            raise _Failed(unavailable_message(ready.get("error")), fatal=True)
+        result.isolation_used = "namespaces" if ready["namespaces"] else "basic"
         mapped_nobody = False
         if ready["namespaces"]:
             try:

@@ -1,5 +1,10 @@
 """``stare run`` and ``stare train`` for local presets: arms in worker processes, progress bars, the report.
 
+``train_arm`` is ``stare train`` on a local preset (one arm, in this process); ``run_set`` is ``stare run`` (every
+arm of a ``stare.cli.run_set.RunSet`` through ``run_arms``, then the comparison and the plots). Both check this
+machine first (``check_device``, ``check_model``) and raise ``stare.cli.errors.CliError`` (one line) for what the
+user fixes, before anything is written.
+
 Each arm (algorithm x seed) is one process with one torch thread; ``parallel`` arms run at a time (two on
 two cores). With ``device: cuda`` the arms' processes share the one GPU, each with its own CUDA context (the tiny
 models need little memory beyond it). The parent process only watches each arm's ``metrics.jsonl`` to draw
@@ -16,32 +21,105 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
 from . import progress as bars
-from .device import engine_device
-from ..rundir import check_resumable
-from .trainer import LocalTrainer, check_run_dir, prepare_run_dir, warmstart_name
+from .device import DeviceError, engine_device
+from ..errors import CliError
+from ..quiet import quiet
+from ..rundir import (RunDirError, check_resumable, check_run_dir, check_run_set_dir, mark_run_set, prepare_run_dir,
+                      remove_unstarted_run)
+from .trainer import LocalTrainer, warmstart_name
 
 
-def quiet() -> None:
-    """Silence library chatter (tokenizers, hub progress bars, warnings, transformers' logging) in this process."""
-    import os
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore")
+def check_device(resolved: dict) -> None:
+    """The ``device`` setting names a device this machine has (``cuda`` needs a visible GPU)."""
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except Exception:  # pragma: no cover - logging tweaks are best effort
-        pass
+        engine_device(resolved["settings"])
+    except DeviceError as exc:
+        raise CliError(str(exc)) from None
 
 
-_quiet = quiet  # the older private name
+def check_model(resolved: dict, *, prepare: bool = False) -> None:
+    """A preset on a packaged model fails (exit code 1) before any folder is made when the package is missing.
+    ``prepare``: convert the model once here rather than in every worker."""
+    if resolved["settings"].get("model") != "smollm2-135m":
+        return
+    from .smollm import MissingModelError, ensure_available, smollm_checkpoint
+
+    try:
+        ensure_available()
+        if prepare:
+            smollm_checkpoint()
+    except MissingModelError as exc:
+        raise CliError(str(exc), code=1) from None
+
+
+def train_arm(resolved: dict, out: Path, *, resume: bool, console: Console) -> dict:
+    """``stare train`` on a local preset: the run folder (checked, then made or resumed), training with a progress
+    bar, the held-out evaluation (returned, as in eval.json). A new run that fails before its first checkpoint
+    leaves nothing behind, so a corrected retry is not refused."""
+    check_device(resolved)
+    check_model(resolved)
+    existed = out.exists()
+    try:
+        if resume:
+            check_resumable(out)  # a cut metrics line, a checkpoint that does not load: one line, before any write
+        started = prepare_run_dir(out, resolved, resume)
+    except RunDirError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        return _train(resolved, out, resume, console)
+    except BaseException:
+        if not started:
+            remove_unstarted_run(out, existed)
+        raise
+
+
+def _train(resolved: dict, out: Path, resume: bool, console: Console) -> dict:
+    quiet()
+    trainer = LocalTrainer(resolved, out)
+    settings = resolved["settings"]
+    if settings.get("model", "tiny") == "tiny" and not (trainer.warmstart_dir / "warmstart.json").exists():
+        console.print(f"warm start: {settings['warmstart_steps']} supervised steps on noisy demonstrations "
+                      f"(cached in {escape(str(trainer.warmstart_dir))})")
+    with Progress(*bars.columns(), console=console) as progress:  # steps, live reward and entropy, ETA
+        task = progress.add_task(f"{resolved['algo']['name']} on {resolved['preset']}", total=settings["steps"],
+                                 status="starting")
+
+        def on_step(step, steps, rec):
+            progress.update(task, completed=step, status=bars.live_status(rec))
+
+        return trainer.run(resume=resume, on_step=on_step)
+
+
+def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console) -> list[Path]:
+    """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
+    ``out`` (``run_arms``), then ``comparison.md``/``.csv``/``.json`` and the plots; returns the plot files."""
+    from ..errors import check_out_dir
+    from ..plots import plot_curves
+    from ..runs import load_run
+    from ..tables import write_comparison
+
+    first = next(iter(arm_set.resolved.values()))  # the arms share the preset's settings
+    check_device(first)
+    check_out_dir(out)
+    try:
+        check_run_set_dir(out, arm_set.preset)
+    except RunDirError as exc:
+        raise CliError(str(exc)) from None
+    check_model(first, prepare=True)
+    mark_run_set(out, arm_set.preset, arm_set.arms, arm_set.seeds)
+    console.print(f"[bold]stare run[/] {arm_set.preset}: {', '.join(arm_set.arms)} x {arm_set.seeds} seed(s) -> "
+                  f"{escape(str(out))}")
+    try:
+        dirs = run_arms(arm_set.resolved, out, seeds=arm_set.seeds, resume=resume, parallel=parallel, console=console)
+    except RunDirError as exc:
+        raise CliError(str(exc)) from None
+    runs = [load_run(d) for d in dirs]
+    write_comparison(out, runs)
+    return plot_curves(out, runs)
 
 
 def _warmstart_job(resolved: dict, folder: str) -> str:

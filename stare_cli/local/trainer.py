@@ -58,8 +58,7 @@ from .evaluate import evaluate_policy
 from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
 from .tasks import get_task
 
-# the run-folder helpers live in stare.cli.rundir (the OpenRLHF backend uses them too); imported here for old imports
-from ..rundir import RunDirError, atomic_write as _atomic_write, check_run_dir, prepare_run_dir  # noqa: F401
+from ..rundir import atomic_write, read_jsonl
 
 CHECKPOINT = "checkpoint"
 FINAL = "final"
@@ -151,14 +150,12 @@ class LocalTrainer:
         # drop metrics written after the checkpoint: those steps run again
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
-            from ..rundir import read_jsonl
-
             records, cut = read_jsonl(metrics, what="step")  # a corrupt line before the last: RunDirError
             if cut:
                 print(f"warning: {metrics}: the last line was cut (a kill during its write); dropped, its step "
                       "runs again", file=sys.stderr, flush=True)
             keep = [rec for rec in records if rec["step"] <= self.step]
-            _atomic_write(metrics, "".join(json.dumps(rec) + "\n" for rec in keep))
+            atomic_write(metrics, "".join(json.dumps(rec) + "\n" for rec in keep))
 
     # ---- one step -------------------------------------------------------------------------------------------
     def _rollout(self) -> tuple[Rollout, torch.Tensor, float, int]:
@@ -308,5 +305,5 @@ class LocalTrainer:
             result["warmstart"] = json.loads(ws.read_text()).get("eval")
         result["algo"] = self.algo.name
         result["steps"] = self.step
-        _atomic_write(self.run_dir / "eval.json", json.dumps(result, indent=2))
+        atomic_write(self.run_dir / "eval.json", json.dumps(result, indent=2))
         return result

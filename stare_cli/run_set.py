@@ -1,0 +1,53 @@
+"""What ``stare run`` trains: the arms and the seeds per arm of a local preset, each arm's settings resolved.
+
+The arms are ``--algos`` when given, else the preset's ``algos`` setting; the seeds ``--seeds``, else the ``seeds``
+setting. Both settings take ``--set`` like any other and are checked by ``stare.cli.presets.resolve`` (the
+schema's words, as ``stare train --set`` reports them). No torch import here: a bad flag fails in a moment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stare.algorithms import ALGORITHMS
+
+from .presets import PresetError, load_preset, resolve
+
+
+@dataclass
+class RunSet:
+    preset: str
+    arms: list[str]
+    seeds: int
+    resolved: dict[str, dict]  # arm -> its resolved settings (presets.resolve)
+
+
+def parse_arms(text: str, flag: str = "--algos") -> list[str]:
+    """The algorithms of a comma-separated ``flag`` value; ``PresetError`` naming the flag and the value for none, an
+    unknown one or one named twice."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    if not arms:
+        raise PresetError(f"{flag} {text!r}: no algorithm named; give one or more, comma-separated, of: "
+                          f"{', '.join(ALGORITHMS)}")
+    unknown = [a for a in arms if a not in ALGORITHMS]
+    if unknown:
+        raise PresetError(f"{flag} {text!r}: unknown algorithm {unknown[0]!r}; valid algorithms: "
+                          f"{', '.join(ALGORITHMS)}")
+    if len(set(arms)) != len(arms):
+        raise PresetError(f"{flag} lists an algorithm twice: {text!r}")
+    return arms
+
+
+def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, seeds: int | None = None) -> RunSet:
+    """The arms (``algos``, a comma-separated ``--algos``, else the ``algos`` setting), the seeds per arm (``seeds``,
+    else the ``seeds`` setting) and each arm's resolved settings, ``--set`` applied. ``PresetError`` for a preset
+    that is not local and for any bad flag or setting."""
+    p = load_preset(preset)
+    if p.backend != "local":
+        raise PresetError(f"stare run trains local presets only; {preset!r} is a {p.backend!r} preset (use stare "
+                          "train)")
+    arms = parse_arms(algos) if algos is not None else None  # given, even empty: what was given is what is checked
+    # the preset's first arm stands in until the arms are known: the algos and seeds settings do not depend on it
+    first = resolve(preset, arms[0] if arms else parse_arms(p.settings["algos"], "algos")[0], sets)
+    arms = arms or parse_arms(first["settings"]["algos"], "--set algos")
+    resolved = {a: first if a == first["algo"]["name"] else resolve(preset, a, sets) for a in arms}
+    return RunSet(preset, arms, seeds or first["settings"]["seeds"], resolved)
