@@ -16,6 +16,9 @@ from pathlib import Path
 from stare.algorithms.settings import REQUIRED, Setting, schema
 
 AGENTS = ("", "python")  # "" (single turn) | "python" (the sandboxed Python tool agent)
+# the tool sandbox's isolations (stare.cli.agent.sandbox.ISOLATION_MODES; a test keeps the two equal): the
+# sandbox module is not imported here, so that stare algos stays light
+ISOLATION_MODES = ("auto", "namespaces", "basic")
 
 
 class SettingsError(ValueError):
@@ -86,6 +89,10 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("agent", str, "", "'' (single turn) or python (multi-turn sandboxed Python tool use)", choices=AGENTS),
     Setting("tool_max_turns", int, 4, "tool use: turns per episode"),
     Setting("tool_timeout_s", float, 10.0, "tool use: time limit per code block, in seconds"),
+    Setting("sandbox_isolation", str, "namespaces", "tool use: the sandbox's isolation (STARE_SANDBOX_ISOLATION in "
+            "the workers): namespaces (user, network, pid, mount namespaces; the run stops in one line where the "
+            "machine has none), auto (namespaces when available, else the audit-hook fallback) or basic (the "
+            "fallback)", choices=ISOLATION_MODES),
 )
 SCHEMA: dict[str, Setting] = schema(GPU_SETTINGS)
 

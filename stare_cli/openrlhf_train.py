@@ -40,7 +40,7 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
     except (RunDirError, orl.LaunchError) as exc:
         raise CliError(str(exc)) from None
     if resolved["settings"].get("agent") and not ray_address:  # the rollout actors run here: so does the sandbox
-        _check_tool_sandbox()
+        _check_tool_sandbox(launch_plan["ray"]["runtime_env"]["env_vars"])
     try:
         from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
     except ImportError as exc:
@@ -57,15 +57,20 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         raise CliError(str(exc)) from None
 
 
-def _check_tool_sandbox() -> None:
-    """The tool agent's settings (``STARE_TOOL_*``, ``STARE_SANDBOX_ISOLATION``) and its sandbox's isolation on this
-    node (``namespaces`` unless ``auto`` or ``basic`` is set), as the agent checks them when a rollout actor loads
-    it, but before Ray and the GPUs start."""
+def _check_tool_sandbox(worker_env: dict[str, str]) -> None:
+    """The tool agent's settings and its sandbox's isolation on this node, as the agent checks them when a rollout
+    actor loads it (from the variables the plan gives the workers: ``STARE_TOOL_*`` and ``STARE_SANDBOX_ISOLATION``,
+    the preset's ``sandbox_isolation``), but before Ray and the GPUs start."""
+    import os
+
     from .agent.loop import ToolConfig
     from .eval_plan import check_tool_isolation
 
     try:
-        config = ToolConfig.from_env()
+        config = ToolConfig.from_env({**os.environ, **worker_env})  # Ray's runtime_env overrides the shell's
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    check_tool_isolation(config)
+    try:
+        check_tool_isolation(config)
+    except CliError as exc:
+        raise CliError(f"{exc} (for this run: --set sandbox_isolation=auto)", exc.code) from None

@@ -604,4 +604,32 @@ def test_tool_use_where_namespaces_are_unavailable_fails_in_one_line(tmp_path, m
         code, stderr = out[name]
         lines = [x for x in stderr.splitlines() if x.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), (name, stderr[-2000:])
+    assert out["train"][1].rstrip().endswith("(for this run: --set sandbox_isolation=auto)")  # the preset's setting
     assert not (tmp_path / "ev").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_gpu_preset_setting_decides_the_training_sandboxs_isolation(monkeypatch):
+    """`sandbox_isolation` (a GPU preset setting, namespaces by default) reaches the rollout workers as
+    STARE_SANDBOX_ISOLATION, and `stare train` checks that isolation on this node before Ray starts, whatever the
+    driver's shell says (Ray's runtime_env overrides it in the workers)."""
+    from stare.cli import openrlhf_train
+    from stare.cli.agent.sandbox import ISOLATION_MODES
+    from stare.cli.gpu_schema import ISOLATION_MODES as SCHEMA_MODES
+    from stare.cli.openrlhf_backend import launch as orl
+    from stare.cli.presets import resolve
+
+    assert SCHEMA_MODES == ISOLATION_MODES
+    sets = ["cold_start_checkpoint=owner/qwen2.5-7b-sft"]
+    checked = []
+    monkeypatch.setattr("stare.cli.eval_plan.check_tool_isolation", lambda config: checked.append(config.isolation))
+    monkeypatch.setenv("STARE_SANDBOX_ISOLATION", "namespaces")  # the shell's value, which the setting overrides
+    for value in ("namespaces", "auto", "basic"):
+        resolved = resolve("qwen-7b-tool-use", "grpo", sets + [f"sandbox_isolation={value}"])
+        env = orl.plan(resolved, "runs/x")["ray"]["runtime_env"]["env_vars"]
+        assert env["STARE_SANDBOX_ISOLATION"] == value
+        openrlhf_train._check_tool_sandbox(env)
+    assert checked == ["namespaces", "auto", "basic"]
+    default = orl.plan(resolve("qwen-7b-tool-use", "grpo", sets), "runs/x")["ray"]["runtime_env"]["env_vars"]
+    assert default["STARE_SANDBOX_ISOLATION"] == "namespaces"
+    single_turn = orl.plan(resolve("qwen-7b-short-cot", "grpo"), "runs/x")["ray"]["runtime_env"]["env_vars"]
+    assert "STARE_SANDBOX_ISOLATION" not in single_turn

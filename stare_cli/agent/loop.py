@@ -34,9 +34,9 @@ OUTPUT_FENCE = "```output"
 _ISOLATION_CHOICES = f"{', '.join(ISOLATION_MODES[:-1])} or {ISOLATION_MODES[-1]}"
 
 
-def _env_number(name: str, default, kind=int):
-    """``kind(os.environ[name])``, ``default`` when unset or empty; a clear error naming the variable."""
-    raw = os.environ.get(name)
+def _env_number(environ, name: str, default, kind=int):
+    """``kind(environ[name])``, ``default`` when unset or empty; a clear error naming the variable."""
+    raw = environ.get(name)
     if raw in (None, ""):
         return default
     try:
@@ -75,16 +75,19 @@ class ToolConfig:
             raise ValueError(f"isolation must be {_ISOLATION_CHOICES}, got {self.isolation!r}")
 
     @classmethod
-    def from_env(cls) -> "ToolConfig":
+    def from_env(cls, environ=None) -> "ToolConfig":
+        """The settings from ``environ`` (default ``os.environ``): the ``STARE_TOOL_*`` variables and
+        ``STARE_SANDBOX_ISOLATION``."""
+        environ = os.environ if environ is None else environ
         d = cls()
-        isolation = os.environ.get("STARE_SANDBOX_ISOLATION") or d.isolation
+        isolation = environ.get("STARE_SANDBOX_ISOLATION") or d.isolation
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"STARE_SANDBOX_ISOLATION must be {_ISOLATION_CHOICES}, got {isolation!r}")
-        return cls(max_turns=_env_number("STARE_TOOL_MAX_TURNS", d.max_turns, int),
-                   timeout_s=_env_number("STARE_TOOL_TIMEOUT_S", d.timeout_s, float),
-                   memory_mb=_env_number("STARE_TOOL_MEMORY_MB", d.memory_mb, int),
-                   max_output_chars=_env_number("STARE_TOOL_MAX_OUTPUT_CHARS", d.max_output_chars, int),
-                   format=os.environ.get("STARE_TOOL_FORMAT") or d.format, isolation=isolation)
+        return cls(max_turns=_env_number(environ, "STARE_TOOL_MAX_TURNS", d.max_turns, int),
+                   timeout_s=_env_number(environ, "STARE_TOOL_TIMEOUT_S", d.timeout_s, float),
+                   memory_mb=_env_number(environ, "STARE_TOOL_MEMORY_MB", d.memory_mb, int),
+                   max_output_chars=_env_number(environ, "STARE_TOOL_MAX_OUTPUT_CHARS", d.max_output_chars, int),
+                   format=environ.get("STARE_TOOL_FORMAT") or d.format, isolation=isolation)
 
     def resolve_isolation(self) -> str:
         """The isolation the tool calls get on this machine (namespaces | basic); ``SandboxError`` (one line) when

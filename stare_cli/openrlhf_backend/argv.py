@@ -246,6 +246,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     if s["agent"]:
         env["STARE_TOOL_MAX_TURNS"] = str(s["tool_max_turns"])
         env["STARE_TOOL_TIMEOUT_S"] = _fmt(s["tool_timeout_s"])
+        env["STARE_SANDBOX_ISOLATION"] = s["sandbox_isolation"]
     ray = {"address": ray_address, "start_local_head": not ray_address,  # no address: a head starts here
            "dashboard": s["ray_dashboard"], "runtime_env": {"env_vars": env}}
     if ray_address and s["ray_dashboard"]:
