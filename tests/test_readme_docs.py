@@ -92,7 +92,7 @@ def relative_links(path: Path):
 def test_there_are_docs_pages_and_links():
     names = {p.name for p in PAGES}
     assert {"README.md", "local-engine.md", "openrlhf-backend.md", "evaluation.md", "tool-use.md", "results.md",
-            "benchmarks.md", "gpu-check.md", "algorithm.md", "local-settings.md"} <= names
+            "benchmarks.md", "gpu-check.md", "algorithm.md", "local-settings.md", "settings.md", "architecture.md"} <= names
     linked = set(relative_links(README))
     for page in names - {"README.md"}:
         assert any(t.split("#")[0] == f"docs/{page}" for t in linked), f"the README does not link docs/{page}"
