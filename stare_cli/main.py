@@ -131,7 +131,7 @@ def train(
     directory gets config.yaml, metrics.jsonl (one line per step), checkpoint/, final/ and eval.json; a killed
     run continues with --resume.
 
-    GPU presets (qwen-7b-short-cot, ...) run OpenRLHF 0.11.2's Ray PPO trainer with STARE plugged into its
+    GPU presets (qwen-7b-short-cot, ...) run the pinned OpenRLHF's Ray PPO trainer with STARE plugged into its
     policy actor: checkpoints in OUT/ckpt (resumed automatically with --resume), the final model in
     OUT/final, TensorBoard logs in OUT/tensorboard (keys train/stare/*). Check the exact OpenRLHF command
     first with --dry-run.

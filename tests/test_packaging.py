@@ -54,15 +54,16 @@ def test_the_openrlhf_pin_is_one_version_everywhere():
     assert not wrong, f"OPENRLHF_VERSION is {OPENRLHF_VERSION}, these files pin openrlhf otherwise: {wrong}"
 
 
-def test_the_openrlhf_backend_writes_the_version_once():
-    """Messages and docstrings of the backend read ``OPENRLHF_VERSION`` or say "the pinned OpenRLHF": the constant
-    is its only copy of the version."""
+def test_the_package_writes_the_openrlhf_version_once():
+    """Messages, help and docstrings of the package read ``OPENRLHF_VERSION`` or say "the pinned OpenRLHF": the
+    constant is the code's only copy of the version (an upgrade edits one line of Python)."""
     from stare.cli.openrlhf_backend import OPENRLHF_VERSION
 
-    backend = REPO / "stare_cli" / "openrlhf_backend"
-    counts = {p.name: p.read_text().count(OPENRLHF_VERSION) for p in sorted(backend.glob("*.py"))}
-    assert counts.pop("__init__.py") == 1
+    files = [p for folder in ("stare_cli", "algorithms", "eval") for p in sorted((REPO / folder).rglob("*.py"))]
+    counts = {str(p.relative_to(REPO)): p.read_text().count(OPENRLHF_VERSION) for p in files}
+    assert counts.pop("stare_cli/openrlhf_backend/__init__.py") == 1
     assert not {name: n for name, n in counts.items() if n}
+
 
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""OpenRLHF 0.11.2 agent: multi-turn math with a sandboxed Python tool.
+"""The pinned OpenRLHF's agent: multi-turn math with a sandboxed Python tool.
 
 Pass this file's path as ``--train.agent_func_path`` (``python -c "import stare.cli.agent.python_agent as m;
 print(m.__file__)"``). OpenRLHF loads it with ``importlib`` as a loose module named ``agent_module`` and calls
