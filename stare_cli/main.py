@@ -233,7 +233,8 @@ def eval_(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: evals/BENCH)."),
     resume: bool = typer.Option(False, "--resume", help="Skip samples already in OUT/samples.jsonl."),
     tools: Optional[str] = typer.Option(None, "--tools", help="python: multi-turn tool use, code blocks run in a "
-                                                              "sandbox (settings: STARE_TOOL_* variables)."),
+                                                              "sandbox (settings: STARE_TOOL_* variables; isolation "
+                                                              "STARE_SANDBOX_ISOLATION, namespaces by default)."),
 ) -> None:
     """Evaluate a model on a math benchmark: avg@k, pass@k, maj@k with 95% bootstrap intervals.
 
