@@ -6,7 +6,7 @@ lists the telemetry names with their meanings. See docs/algorithm.md for the mat
 """
 # The registry and the controllers need no torch and load now; everything else loads from its module on first use
 # (a module __getattr__), so `stare algos`, `stare presets` and `stare --help` never import torch. Every name below
-# is still importable from stare.algorithms exactly as before.
+# is importable from stare.algorithms.
 from .controllers import BandGate, ControllerState, PaperGate
 from .registry import ALGORITHMS, SETTING_NAMES, TOKEN_RULES, AlgoConfig, get_algorithm
 from .token_rules import TokenRule, get_token_rule

@@ -11,11 +11,10 @@ Triton kernel. With ``u_j = z_j - max z`` and ``e_j = e^{u_j}``:
 
 Every term of S1 and S3 has the same sign (u_j <= 0), so nothing cancels inside the sums; H is the sum of two
 non-negative numbers. Compared with the eager torch path (a softmax and about eight more passes, each writing or
-reading a [rows, V] float32 chunk), this reads each logit twice and writes nothing per logit: 1.5-2.4x faster
-on CPU (measured at V = 16,384 on one thread and at 151,936 on two). The price is the compilation, once per
-process and input kind (dtype, layout): about 20 s on a 2-core machine when Inductor's on-disk cache is cold, a
-second or two when it is warm. It needs what ``torch.compile`` needs on the device (a C++ compiler on CPU).
-Imported lazily; ``stare.algorithms`` itself never compiles anything.
+reading a [rows, V] float32 chunk), this reads each logit twice and writes nothing per logit, so it is faster on
+CPU (figures: docs/benchmarks.md). The price is the compilation, once per process and input kind (dtype, layout),
+much shorter when Inductor's on-disk cache is warm. It needs what ``torch.compile`` needs on the device (a C++
+compiler on CPU). Imported lazily; ``stare.algorithms`` itself never compiles anything.
 
 -inf logits (a masked vocabulary) count as p = 0, and an action whose logit is -inf gets s_a = inf and Phi its
 p_a -> 0 limit, an action id outside [0, V) NaN, a row with no finite logit NaN: the Triton kernel's behaviour.

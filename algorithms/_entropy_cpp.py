@@ -2,15 +2,13 @@
 
 ``_entropy_cpp.cc`` (beside this file) holds the loop: per row a pass for the maximum, then one that takes the
 exponential and the four sums S0..S3 of the Triton kernel together, in 16 float lanes with a polynomial exponential,
-writing nothing per logit; every 1,024 logits the float lanes hand their sums to double ones. On one core of the
-project's 2-core machine it is about 3.5x the torch path and 2.8x the compiled kernel (192 x 16,384 float32 logits:
-0.8 ms against 2.8 and 2.3 ms), and the most accurate of the three (64 rows of 151,936 logits against float64:
-entropy within 6e-7, the torch path 6e-5, the compiled kernel 1e-5). It is built with the machine's C++
-compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``; ``-O3 -march=native``, under a second) into a cache
-folder (``$STARE_KERNEL_CACHE``, else ``~/.cache/stare/kernels``), under a name that hashes the source, the
-compiler, its flags and the CPU, so a shared home folder never hands one machine another's build. It runs on one
-thread (the torch path uses torch's threads). ``auto`` never picks it: the default CPU numbers stay the torch
-path's, bit for bit.
+writing nothing per logit; every 1,024 logits the float lanes hand their sums to double ones. On one core it is
+faster than both the torch path and the compiled kernel, and the most accurate of the three against float64
+(figures: docs/benchmarks.md). It is built with the machine's C++ compiler (``$CXX``, else ``c++``, ``g++`` or
+``clang++``; ``-O3 -march=native``) into a cache folder (``$STARE_KERNEL_CACHE``, else
+``~/.cache/stare/kernels``), under a name that hashes the source, the compiler, its flags and the CPU, so a shared
+home folder never hands one machine another's build. It runs on one thread (the torch path uses torch's threads).
+``auto`` never picks it: the default CPU numbers stay the torch path's, bit for bit.
 
 float32 rows with a contiguous vocabulary are read in place, however far apart the rows are; other dtypes and
 layouts are converted a few rows at a time (about 1M logits). -inf logits, bad actions, rows without a finite

@@ -7,9 +7,10 @@ entropy is below (above) the target.
 ``BandGate`` is this project's controller for a target band [low, high]. Below ``target`` (default: the
 band's top, ``high``) the gate is on with a strength that grows in proportion to the shortfall, reaching full
 strength at ``low``; above ``target`` nothing happens (dead zone) up to ``high``; above ``high`` it is off,
-or with ``two_sided`` it pushes entropy down with a strength that grows with the excess. (On the tiny CPU
-task a target in the band's middle let entropy settle just below ``low``: the push fades before the band.) Strength s scales
-how far the weights move from 1: W_eff = 1 + s (W - 1), M_eff = 1 - s (1 - M), damp_eff = 1 - s (1 - damp).
+or with ``two_sided`` it pushes entropy down with a strength that grows with the excess. (The default target
+is the band's top because the push fades as entropy nears the target: with a target in the band's middle,
+entropy can settle just below ``low``; docs/algorithm.md.) Strength s scales how far the weights move from 1:
+W_eff = 1 + s (W - 1), M_eff = 1 - s (1 - M), damp_eff = 1 - s (1 - damp).
 
 Both keep their state in ``state_dict()`` so a resumed run takes the same decisions.
 """

@@ -17,7 +17,7 @@ the logits, in float32, without gradient, with one of four kernels:
   operations and fused by TorchInductor (on CPU a vectorised C++ loop that reads each row twice and writes no
   [rows, V] temporary); ``auto`` never picks it, since it costs a compilation per process.
 - ``cpp`` (``_entropy_cpp``, CPU): the same sums as a C++ loop in 16 float lanes with a polynomial exponential,
-  built once per machine with its C++ compiler (under a second, then cached): about 3.5x the torch path on one core.
+  built once per machine with its C++ compiler (then cached), the fastest on a CPU core (docs/benchmarks.md).
   ``auto`` never picks it either, so the default CPU numbers stay the torch path's.
 
 All four read the logits through any strided view (``logits[:, :-1][:, -width:]`` as it comes): the leading
@@ -36,8 +36,8 @@ import torch
 from ._checks import broadcast_advantages, check_choice, check_range, check_same_shape
 
 # Default chunk, whatever the vocabulary size: about 1M logits (4 MB per float32 buffer) on CPU, where a chunk that
-# stays in cache is faster (768 x 16,384 logits on the project's 2-core machine: 13.5 ms in 64-row chunks, 19.7 ms in
-# 256-row ones); about 4M (16 MB) on other devices, where fewer, larger launches count more.
+# stays in cache is faster (docs/benchmarks.md); about 4M (16 MB) on other devices, where fewer, larger launches
+# count more.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 DEFAULT_CHUNK_ELEMENTS_CPU = 1 << 20
 from ._plain import KERNELS  # noqa: E402 - ("auto", "torch", "triton", "compiled", "cpp"), torch-free for the registry
@@ -187,10 +187,10 @@ def entropy_sensitivity(
     ``[...]``. ``temperature`` divides the logits first (the gate wants the entropy at the sampling
     temperature). ``kernel``: ``"torch"`` (chunked, ``chunk_size`` rows at a time, default about 1M logits per
     chunk on CPU, 4M elsewhere), ``"triton"`` (fused single pass, CUDA; ``chunk_size`` is ignored),
-    ``"compiled"`` (the same sums fused by ``torch.compile``, any device: 1.5-2.4x the torch path's speed on
-    CPU, after a compilation of 7-20 s per process and input kind; ``chunk_size`` is ignored), ``"cpp"`` (CPU
-    tensors: the same sums as a C++ loop built once per machine with its compiler, about 3.5x the torch path on
-    one core; ``chunk_size`` is ignored) or ``"auto"`` (triton on CUDA when the kernel module imports, else
+    ``"compiled"`` (the same sums fused by ``torch.compile``, any device: faster than the torch path on CPU,
+    after a compilation per process and input kind; ``chunk_size`` is ignored), ``"cpp"`` (CPU tensors: the same
+    sums as a C++ loop built once per machine with its compiler, faster still on one core; ``chunk_size`` is
+    ignored) or ``"auto"`` (triton on CUDA when the kernel module imports, else
     torch). No host synchronisation on any path. ``with_phi=False`` returns ``phi=None`` and, on the torch path, skips Phi's two
     reductions over the vocabulary (entropy and surprisal are the same numbers either way); for callers that need
     only the gate's entropy.
@@ -239,8 +239,8 @@ def entropy_sensitivity(
                                 phi[start:end], temperature=temperature)
     elif n:
         # Two [chunk, V] float32 buffers for the whole call, p and log p, reused by every chunk: a fresh pair per
-        # chunk page-faults its memory in again whenever the allocator has handed it back to the OS (1024 rows of
-        # 151,936 logits: 140 ms, or 420 ms with the faults)
+        # chunk page-faults its memory in again whenever the allocator has handed it back to the OS (the cost:
+        # docs/benchmarks.md)
         p_buf = torch.empty(min(chunk_size, n), vocab, dtype=torch.float32, device=logits.device)
         l_buf = torch.empty_like(p_buf)
         for start in range(0, n, chunk_size):
@@ -255,7 +255,7 @@ def entropy_sensitivity(
                 z = z.div_(temperature) if z is logp else torch.div(z, temperature, out=logp)
             # one exponential per logit (softmax): the log-normaliser comes from p's largest entry, which is
             # exp(z_max - lse) >= 1 / V, so its log is accurate; log p = z - lse then costs a subtraction, not a
-            # second pass of exp (log_softmax followed by exp computed the exponentials twice)
+            # second pass of exp (log_softmax followed by exp would compute the exponentials twice)
             torch.softmax(z, dim=-1, out=p)
             lse = z.amax(dim=-1) - p.amax(dim=-1).log()
             logp = torch.sub(z, lse[:, None], out=logp)  # in place when z is already in that buffer

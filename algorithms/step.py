@@ -92,8 +92,9 @@ METRICS: tuple[tuple[str, str], ...] = (
 )
 METRIC_NAMES: tuple[str, ...] = tuple(name for name, _ in METRICS)
 
-# What older runs wrote -> the name now. Local runs before the shared step: ``entropy``, ``quadrant/*``, ... (their
-# ``entropy_change`` was the same-batch change); both engines before issue 14: ``stare/boosted_raise_share``.
+# Names that runs written before the renames logged -> the current name: local runs from before both engines shared
+# ``stare_step`` wrote ``entropy``, ``quadrant/*``, ... (their ``entropy_change`` is the same-batch change), and runs
+# of both engines from before the boosted-token share was renamed wrote ``stare/boosted_raise_share``.
 LEGACY_NAMES: dict[str, str] = {
     "stare/boosted_raise_share": "stare/boosted_phi_pos_share",
     "entropy": "stare/entropy",

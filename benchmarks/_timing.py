@@ -29,9 +29,9 @@ def keep_freed_memory() -> str:
 
     By default glibc serves blocks above a dynamic threshold (128 KB to 32 MB) with fresh ``mmap`` calls and
     returns them on ``free``, and trims the heap's free top; a training step that allocates and frees
-    multi-MB activations then page-faults all of them in again on every step. On this project's 2-core VM that
-    cost a quarter of a tiny model's step and swung identical steps by +-15% (2.9M minor page faults in a
-    ``bench_plugin_step.py`` run; 0.24M with this). Blocks up to 32 MB (glibc's ceiling) stay in the heap.
+    multi-MB activations then page-faults all of them in again on every step, which makes a tiny model's step
+    slower and identical steps noisy (figures: docs/benchmarks.md). Blocks up to 32 MB (glibc's ceiling) stay in
+    the heap.
     Call it first, before the big allocations. Returns a line for the printout (what was done, or why not).
     """
     name = ctypes.util.find_library("c")

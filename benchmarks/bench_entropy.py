@@ -200,7 +200,7 @@ def measure_memory(variant: str) -> dict:
 load = BackgroundLoad()
 # glibc's malloc may keep freed chunk buffers in its heap instead of returning them to the OS (its mmap
 # threshold adapts at run time), so the same computation can show different peak RSS from one process to
-# the next (65 or ~150 MiB for the chunked one here): run several fresh workers per variant, keep the worst.
+# the next: run several fresh workers per variant, keep the worst.
 runs = {variant: [] for variant in measured + ["naive", "full-grad"]}
 for _ in range(args.mem_repeats):
     for variant in runs:

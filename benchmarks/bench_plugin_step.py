@@ -12,19 +12,19 @@ small strategy object (backward, an SGD step), the same for every variant. Varia
 - ``stare-phi``: the plugin, Phi-sign selection, band gate forced on;
 - ``openrlhf again``: OpenRLHF's own step once more, timed like the others: the run's noise floor.
 
-All variants share one model and optimizer (the same weights at the same addresses; with a model each, layout
-alone moved identical steps by several percent) and the learning rate is 0, so every repeat trains on the same
+All variants share one model and optimizer (the same weights at the same addresses; with a model each, memory
+layout alone moves identical steps apart) and the learning rate is 0, so every repeat trains on the same
 weights and the gate stays on. The n-th step of every variant draws the same shuffle of the replay buffer (hence
 the same micro-batches and padding). Repeats are interleaved; medians. glibc is told to keep freed memory in the
-process (``_timing.keep_freed_memory``): otherwise each step page-faults its multi-MB buffers back in, which cost
-a quarter of the step and most of the noise here. Targets (idle 2-core machine): grpo <= 1.03, stare <= 1.05,
+process (``_timing.keep_freed_memory``): otherwise each step page-faults its multi-MB buffers back in, which
+slows the step and adds most of its noise. Targets (idle 2-core machine): grpo <= 1.03, stare <= 1.05,
 stare-phi <= 1.10 times OpenRLHF's own step.
 
 The plugin's per-token statistics run in the fused C++ kernel by default (``--kernel cpp``, built at first use;
 ``auto`` where it cannot be built): on GPUs the plugin reads each logits row once in the fused Triton kernel that
 ``auto`` picks there, and this is its CPU counterpart. ``--kernel auto`` measures the eager torch path that the
-engines take on CPU by default (a softmax and about eight more passes per chunk): some 2.5 points more of this toy
-step, whose hidden size of 128 makes it almost all vocabulary work.
+engines take on CPU by default (a softmax and about eight more passes per chunk), which costs more of this toy
+step, whose hidden size of 128 makes it almost all vocabulary work (results: docs/benchmarks.md).
 
     python benchmarks/bench_plugin_step.py [--repeats 7] [--vocab 16384] [--threads 1]
         [--clock wall|cpu|thread] [--telemetry full|entropy|off] [--kernel auto|torch|compiled|cpp] [--profile] [--quick]

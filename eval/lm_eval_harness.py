@@ -155,7 +155,7 @@ def summarise(results: dict, samples: list[dict], proto: Protocol, *, bench, mod
                            ids=[s["doc"]["id"] for s in samples], answers=[s["doc"]["answer"] for s in samples],
                            scores={m.key: metrics[f"{m.key},{FILTER}"] for m in per_problem})
     # re-tokenised from the response text, so a count can differ from the generated tokens by a token or two;
-    # summary.json has always had the note right after the first of them (the response length)
+    # summary.json keeps the note right after the first of them (the response length)
     measured = list((sample_values(responses, tokens) if counted else dict.fromkeys(m.key for m in sample_metrics()))
                     .items())
     measured.insert(1, ("token_counts", "re-tokenised from the response text" if counted else None))

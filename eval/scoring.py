@@ -14,7 +14,7 @@ Three layers, top to bottom:
 The workers are plain ``python -c`` processes started from ``sys.executable`` with this process's ``sys.path``;
 they import this module by name (math-verify preloaded), never the caller's ``__main__``. So scoring works the
 same from a script, ``python -``, ``python -c``, a notebook or a thread, with no ``__main__`` guard needed
-(``multiprocessing``'s spawn re-imports ``__main__`` and its workers died under ``python -``).
+(``multiprocessing``'s spawn re-imports ``__main__``, so its workers die under ``python -``).
 
 Bad input never raises: it scores False. A checker that cannot run (workers that do not start, or die on the
 same answer again and again) raises ``ScoringError``: it never turns into wrong answers.

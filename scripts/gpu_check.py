@@ -59,7 +59,8 @@ TEST_CMD = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda"]
 
 # In the order they run: what matters most first, so a slow start or a slow step costs the least important figures.
 STEPS: dict[str, Step] = {
-    # issue 11's target is stated at 8,192 rows x 151,936 bf16 (<= 1.0 ms on one H200): torch and Triton side by side
+    # the fused kernel's target is stated at 8,192 rows x 151,936 bf16 (<= 1.0 ms on one H200): torch and Triton
+    # side by side
     "bench-entropy-triton": Step(
         bench("bench_entropy.py", "--n", "8192", "--vocab", str(VOCAB), "--dtype", "bf16", "--repeats", "5",
               "--mem-repeats", "1", "--kernel", "both"), 150,

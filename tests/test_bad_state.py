@@ -1,4 +1,4 @@
-"""Broken state (issue 23): resume refuses what it cannot continue, in one line naming the file or the setting
+"""Broken state: resume refuses what it cannot continue, in one line naming the file or the setting
 (exit 2, nothing changed); a cut last line is dropped and redone with one warning; a run that fails before its
 first checkpoint leaves nothing that blocks the corrected retry."""
 import json

@@ -173,7 +173,8 @@ def test_model_path_with_brackets_is_named(tmp_path):
 
 
 def test_openrlhf_install_hint_keeps_the_extra(tmp_path, monkeypatch):
-    """Without OpenRLHF, the hint is the exact pip command (rich used to print ``pip install 'stare'``)."""
+    """Without OpenRLHF, the hint is the exact pip command (not ``pip install 'stare'``, what rich's markup would
+    leave of it)."""
     import stare.cli.openrlhf_backend as pkg
 
     monkeypatch.setitem(sys.modules, "stare.cli.openrlhf_backend.plugin", None)  # import fails as when absent
@@ -428,11 +429,11 @@ def test_protocol_range_errors_name_the_flag(tmp_path, flag, value):
     assert not (tmp_path / "o").exists()
 
 
-# --- issue 23's rows: each a new user's bad input that used to give a traceback or pass silently ------------
+# --- a new user's bad input: one line naming it, never a traceback or a silent pass ----------------------------
 
 @pytest.mark.parametrize("case", ["run", "train", "eval", "compare"])
 def test_out_that_cannot_be_written_is_one_line_and_writes_nothing(tmp_path, a_file, case, monkeypatch):
-    """--out on a read-only file system (Errno 30 used to be a traceback). ``access(2)`` says so even to root, so
+    """--out on a read-only file system (Errno 30): one line, no traceback. ``access(2)`` says so even to root, so
     the check is simulated by making ``access`` answer as a read-only file system does."""
     import errno as errno_
 

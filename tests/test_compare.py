@@ -116,7 +116,7 @@ def test_a_repeated_run_is_its_own_row_not_a_duplicate_seed(tmp_path):
 
 
 def test_stare_run_and_stare_compare_write_the_same_table(tmp_path):
-    """Both commands on the same run folders: the same rows, columns and numbers (the issue's 0.321 vs 0.347)."""
+    """Both commands on the same run folders: the same rows, columns and numbers."""
     out = tmp_path / "demo"
     sets = sum((["--set", s] for s in FAST + ["steps=4"]), [])
     res = stare("run", "--preset", "tiny-cpu", "--algos", "stare-phi,grpo", "--out", str(out), *sets)

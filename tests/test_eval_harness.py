@@ -119,7 +119,7 @@ def test_eval_of_a_training_run_uses_its_final_checkpoint(tmp_path, data_file):
     res = stare("eval", "--bench", "aime24", "--out", str(run), "--data-file", str(data_file), "--k", "2",
                 "--max-tokens", "4", "--backend", "hf")
     # the tiny model's 64-token context fits none of the boxed-answer prompts: one line naming the model (the run's
-    # final/), not every problem "not attempted" and a warning about empty responses (issue 23); nothing written
+    # final/), not every problem "not attempted" and a warning about empty responses; nothing written
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]

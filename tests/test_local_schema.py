@@ -75,7 +75,7 @@ def test_a_bad_local_setting_is_one_line_before_anything_is_written(tmp_path, it
 
 
 def test_the_corrected_retry_runs_in_the_same_out(tmp_path):
-    """The issue's task=sort row: the refused run left config.yaml, and the corrected retry was refused."""
+    """A run refused for task=sort leaves no folder behind, so the corrected retry in the same --out runs."""
     out = tmp_path / "run"
     one_line(runner.invoke(app, ["train", "--preset", "tiny-cpu", "--set", "task=sort", "--out", str(out)]))
     assert not out.exists()

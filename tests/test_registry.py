@@ -1,4 +1,4 @@
-"""The named algorithms carry the settings the issue and the papers specify."""
+"""The named algorithms carry the settings their papers and this project's specification give."""
 import pytest
 
 from stare.algorithms import ALGORITHMS, TOKEN_RULES, BandGate, PaperGate, get_algorithm

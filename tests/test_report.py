@@ -275,7 +275,7 @@ def test_eval_json_field_names_old_and_new():
     assert held_out({"avg_at_16": 0.5}, 8)["avg_at_k"] is None  # another k's field is not this k's
 
 
-# ---- the selection telemetry table (issue 14) -------------------------------------------------------------------
+# ---- the selection telemetry table ------------------------------------------------------------------------------
 def telemetry_table(md):
     """comparison.md's "Selection telemetry" table: arm label -> {header: cell}."""
     lines = md.splitlines()

@@ -26,7 +26,7 @@ def test_eval_target_takes_a_training_runs_final_model(tmp_path):
     assert eval_target("owner/name", None, "aime25") == ("owner/name", tmp_path.__class__("evals") / "aime25")
     with pytest.raises(ValueError, match="no such folder .*and not a hub id"):
         eval_target("runs/tiny/stare/final", None, "aime24")
-    # the issue's rows: an absolute path that is missing is a missing folder, not a hub id to ask for
+    # an absolute path that is missing is a missing folder, not a hub id to ask for
     with pytest.raises(ValueError, match=r"--model '/nonexistent': no such folder \(/nonexistent\)"):
         eval_target("/nonexistent", None, "aime24")
     readme = tmp_path / "README.md"
@@ -69,7 +69,7 @@ def test_run_set_folder_ownership(tmp_path):
 
 
 def test_a_broken_marker_or_config_is_one_line_exit_2(tmp_path):
-    """A run.yaml / config.yaml that is not YAML: one line naming the file (it was a yaml traceback)."""
+    """A run.yaml / config.yaml that is not YAML: one line naming the file, not a yaml traceback."""
     out = tmp_path / "runs"
     out.mkdir()
     (out / "run.yaml").write_text("preset: [unclosed\n")

@@ -33,8 +33,8 @@ TIMEOUT = 1200  # seconds for one engine process (a first load on a busy 2-core 
 K = 3
 MAX_TOKENS = 40
 SEED = 3
-# "a" and "b" are the same question under two ids: with per-sample seeds shared between neighbouring problems
-# (issue 10, point 2) sample j+1 of "a" and sample j of "b" would be the same text
+# "a" and "b" are the same question under two ids: with per-sample seeds shared between neighbouring problems,
+# sample j+1 of "a" and sample j of "b" would be the same text
 PROBLEMS = [
     {"id": "a", "problem": "What is 2+3?", "answer": "5"},
     {"id": "b", "problem": "What is 2+3?", "answer": "5"},

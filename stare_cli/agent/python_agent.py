@@ -3,18 +3,12 @@
 Pass this file's path as ``--train.agent_func_path`` (``python -c "import stare.cli.agent.python_agent as m;
 print(m.__file__)"``). OpenRLHF loads it with ``importlib`` as a loose module named ``agent_module`` and calls
 ``AgentExecutor()``; hence absolute imports only, and settings from the environment, since its argument parser
-rejects unknown flags (set them in the Ray runtime env so the rollout actors see them):
-
-- ``STARE_TOOL_MAX_TURNS`` (default 4): model turns per sample (tool calls <= turns - 1)
-- ``STARE_TOOL_TIMEOUT_S`` (10): wall clock per tool call; ``STARE_TOOL_MEMORY_MB`` (1024): memory per call
-- ``STARE_TOOL_MAX_OUTPUT_CHARS`` (1024): tool output shown to the model per call
-- ``STARE_TOOL_FORMAT`` (auto): ``chat`` (tool output as a user turn of the tokenizer's chat template; the model
-  ends its turn with its end-of-turn token), ``plain`` (a ```` ```output ```` block in the same text; generation
-  stops at ```` ```output ````), ``auto`` (chat when the tokenizer has a template)
-- ``STARE_SANDBOX_ISOLATION`` (namespaces): the sandbox's isolation (``stare.cli.agent.sandbox``). ``namespaces``
-  is checked when the rollout actor loads the agent and fails there, in one line, where the machine has no user
-  namespaces (Docker's default seccomp profile); ``auto`` (the audit-hook fallback where there are none) and
-  ``basic`` only when set. The isolation used is printed once per rollout actor and logged per sample.
+rejects unknown flags (set them in the Ray runtime env so the rollout actors see them): ``STARE_TOOL_MAX_TURNS``,
+``STARE_TOOL_TIMEOUT_S``, ``STARE_TOOL_MEMORY_MB``, ``STARE_TOOL_MAX_OUTPUT_CHARS``, ``STARE_TOOL_FORMAT`` and
+``STARE_SANDBOX_ISOLATION``, read by ``stare.cli.agent.loop.ToolConfig.from_env`` (meanings and defaults:
+docs/tool-use.md). The isolation (``namespaces`` unless set otherwise) is checked when the rollout actor loads the
+agent and fails there, in one line, where the machine has none; the isolation used is printed once per rollout
+actor and logged per sample.
 
 How OpenRLHF uses what ``step`` returns (``openrlhf/utils/agent.py``, ``MultiTurnAgentExecutor.execute``): each
 generated turn's token span is appended to ``action_ranges``; ``environment_feedback`` is tokenized and appended

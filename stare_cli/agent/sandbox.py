@@ -1,43 +1,30 @@
-"""Run untrusted Python (a policy's tool call) in a fresh, locked-down interpreter.
+"""Run untrusted Python (a policy's tool call) in a fresh, locked-down interpreter; docs/tool-use.md describes the
+layers and what each one stops.
 
 ``run_python(code)`` starts ``python -I -S`` (isolated mode, no site hooks) as a new process per call, in a new
 session, with an empty environment (only PATH, HOME/TMPDIR = the scratch directory, LANG and single-thread BLAS
 settings), a fresh scratch directory as cwd (removed afterwards), stdin at /dev/null, and capped output. Inside,
 a small supervisor (``_sandbox_child.py``) enforces the wall-clock limit and kills everything the code started.
-
 Layers, outermost first (``SandboxResult.isolation`` lists those that held for a call; ``isolation_report()``
 probes once and tells which this machine gives):
 
-- **namespaces** (when unprivileged user namespaces work; probed once and cached): new user, network, mount,
-  pid, IPC and UTS namespaces. No network at all (only a loopback that is down; abstract unix sockets are
-  per-namespace too). The code runs as pid 1 of its own pid namespace, so when it ends or is killed every
-  process it started dies with it, even ones that called ``setsid``. A private ``/proc`` shows only the
-  sandbox's processes. The whole file system is remounted read-only; ``/tmp``, ``/var/tmp``, ``/dev/shm``,
-  ``/run``, ``/root``, ``/home``, ``/mnt``, ``/media``, ``/srv`` are hidden behind empty read-only tmpfs mounts
-  (the interpreter's own folders, a venv's root and ``bin/`` included, are bound back read-only, so
-  ``sys.executable`` of a venv anywhere exists inside); the only writable place is the scratch directory,
-  a size-capped tmpfs. When the caller is root, the code runs as ``nobody`` (uid 65534, mapped into the
-  namespace), so RLIMIT_NPROC applies; all capabilities are dropped, ``no_new_privs`` is set.
-- **rlimits**: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC (processes and threads; not enforced
-  by Linux for uid 0, hence the uid change), RLIMIT_NOFILE, no core files.
-- **audit hook** (``sys.addaudithook``, installed before the code runs): blocks sockets other than unix
-  socket pairs and every connect/bind/DNS call, writes and file changes outside the scratch directory, new
-  processes (``os.fork``, ``subprocess``, ``os.system``, ``posix_spawn``, ``exec``; unless ``allow_subprocess``),
-  signals to other processes, other processes' ``/proc`` entries, ctypes symbol lookups and foreign calls, gc
-  introspection and swapping a function's code. Best effort: CPython's audit hooks are not a security boundary
-  on their own (PEP 578); with namespaces they are the inner layer, without them they are what stops
-  network access and writes.
+- **namespaces** (when unprivileged user namespaces work; probed once and cached): user, network (only a loopback
+  that is down; abstract unix sockets are per-namespace too), mount, pid (the code is pid 1, so everything it
+  started dies with it), IPC and UTS. The file system is read-only, with the home, temp and run folders behind
+  empty tmpfs mounts and the interpreter's own folders bound back; the only writable place is the scratch
+  directory, a size-capped tmpfs. A root caller's code runs as ``nobody`` (uid 65534), with no capabilities and
+  ``no_new_privs``.
+- **rlimits**: memory (RLIMIT_AS), CPU, file size, processes and threads (RLIMIT_NPROC, which Linux does not
+  enforce for uid 0, hence ``nobody``), open files, no core files.
+- **audit hook** (``sys.addaudithook``, before the code runs; best effort, PEP 578 hooks are no security boundary
+  on their own): network calls, writes outside the scratch directory, new processes (unless
+  ``allow_subprocess``), signals to other processes, other processes' ``/proc``, ctypes, gc introspection and
+  swapping a function's code.
 
-Without user namespaces (``isolation == "basic"``: e.g. Docker's default seccomp profile) the fallback keeps the
-fresh interpreter, empty environment, rlimits, audit hook and the wall-clock kill; the supervisor is a child
-subreaper, so orphans of the code land on it and are killed; a root caller's code always runs as ``nobody``
-(interpreter folders that nobody cannot enter, such as a venv under /root, are opened before the switch and
-imported through ``/proc/self/fd``; a child interpreter cannot start from there). The audit hook then also
-refuses reads outside an allow-list: the interpreter's prefix, ``sys.path`` and site-packages, the scratch
-directory, ``/dev/null``/``/dev/urandom`` and the process's own ``/proc`` files (and new symbolic links).
-What is then *not* isolated at the kernel level: the network (only the audit hook blocks it), writes to and
-reads of files the code's uid may use (likewise), and process creation through ctypes (bounded by
-RLIMIT_NPROC only for a non-root uid).
+Without user namespaces (``isolation == "basic"``: e.g. Docker's default seccomp profile) the supervisor is a child
+subreaper that kills the code's orphans, a root caller's code still runs as ``nobody`` (folders nobody cannot
+enter are reached through ``/proc/self/fd``), and the audit hook also refuses reads outside an allow-list; the
+network and the files the code's uid may use are then guarded by the audit hook only.
 
 ``STARE_SANDBOX_ISOLATION`` = ``auto`` (namespaces when available, else the fallback, silently), ``namespaces``
 (fail when unavailable) or ``basic`` (the fallback). ``run_python`` alone defaults to ``auto``; the tool loop

@@ -4,14 +4,15 @@ A task makes problems (prompt text, answer text) from a seed and scores a respon
 problems are disjoint by construction: a problem's split is a function of its prompt (a stable hash), so no
 seed, order or count can put the same prompt in both.
 
-- ``reverse``: reverse a string of 3-6 letters. Easy to learn; after a noisy warm start the policy is right
-  a third of the time with real entropy, and RL drives it towards certainty: the entropy-collapse setting.
+- ``reverse``: reverse a string of 3-6 letters. Easy to learn; after a noisy warm start the policy samples the
+  right answer only part of the time, with real entropy, and RL drives it towards certainty: the entropy-collapse
+  setting (its numbers: docs/results.md).
 - ``explore``: reversal, except that a prompt starting with the trigger letter wants the marker ``#`` as its
   last character instead of the trigger. Trigger prompts are one in eight; the warm start was shown the rule
   rarely, so the policy's greedy answer on them is wrong while ``#`` keeps a small probability. A policy whose
   entropy collapses stops sampling ``#`` and never learns the rule: the setting where exploration pays.
-- ``arith``: short-answer addition of two one-digit numbers, phrased for a chat model (smollm-cpu preset);
-  SmolLM2-135M is right about 2% of the time on two-digit sums, too rarely for groups of 4 to carry signal.
+- ``arith``: short-answer addition of two one-digit numbers, phrased for a chat model (smollm-cpu preset); on
+  two-digit sums SmolLM2-135M is right too rarely for groups of 4 to carry signal (docs/results.md).
 """
 from __future__ import annotations
 

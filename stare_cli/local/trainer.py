@@ -66,7 +66,8 @@ FINAL = "final"
 
 def warmstart_name(device: torch.device, base: str = "warmstart") -> str:
     """The warm start cache folder's name: a GPU warm start is not bit-identical with the CPU one, so it gets its
-    own folder (``warmstart-cuda``) and never replaces or stands in for a CPU one (CPU keeps the old name)."""
+    own folder (``warmstart-cuda``) and never replaces or stands in for a CPU one (CPU keeps the plain name, as in
+    folders written before the device setting)."""
     return base if device.type == "cpu" else f"{base}-{device.type}"
 
 

@@ -130,7 +130,7 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
 
     A Ray head started here has no dashboard unless ``dashboard`` (the ``ray_dashboard`` setting; None: read
     ``STARE_RAY_DASHBOARD`` from the environment, as the printed command sets it): on a small machine starting
-    it stalled Ray's start by a minute and logged "Failed to start the dashboard".
+    it can stall Ray's start and log "Failed to start the dashboard" (docs/openrlhf-backend.md).
     The address is not probed here: ``stare train`` and ``main`` check it before anything starts."""
     from . import plugin  # checks the OpenRLHF version on import
     from .compat import TRAIN_MODULE
