@@ -100,8 +100,12 @@ SIZING = ["colocate=false", "packing=false", "apply_chat_template=false", "gpus_
           "samples_per_prompt=8", "prompts_per_step=3", "train_batch_size=8", "micro_batch_size=8",
           "rollout_micro_batch_size=8", "max_prompt_len=64", "max_response_len=16", "save_steps=1",
           "max_checkpoints=2", "episodes=2"]
-# the controller's path must show in W and M: gate always on (target far above the entropy), W and M moving by 0.05
-ADAPTIVE = ["target_entropy=20", "adaptive=true", "alpha=0.05", "lr=1e-3", "episodes=3"]
+# the controller's path must show in W and M: gate always on (target far above the entropy), W and M moving by 0.05.
+# No dynamic filtering here: these runs take 3 steps at lr 1e-3 over the three prompts, and a step whose three groups
+# all come out all-equal would train nothing, leaving the controller path a step short (it happened twice, both on a
+# heavily loaded machine, with steps 2 and 3 all zero). The rollouts are not seeded per request, so no two runs sample
+# alike; the other runs keep dynamic filtering.
+ADAPTIVE = ["target_entropy=20", "adaptive=true", "alpha=0.05", "lr=1e-3", "episodes=3", "dynamic_sampling=false"]
 OVERLONG = ["overlong_buffer_len=4"]  # dapo's shaping must fit the 16-token responses
 
 # The weight-sync check: dr-grpo (no dynamic filtering, so a large step never empties a batch) with token-level IS
@@ -301,7 +305,17 @@ def test_run_exits_0_and_logs_every_step(results, name):
     tags = scalars(r.out)
     steps = set(range(1, STEPS[name] + 1))
     if set(tags.get("train/policy_loss", {})) != steps:
-        r.fail(f"train/policy_loss logged at steps {sorted(tags.get('train/policy_loss', {}))}, want {sorted(steps)}")
+        filtered = r.log.count("Filtered out: avg_reward=")
+        reward_errors = [ln for ln in r.log.splitlines() if "reward" in ln and ("could not run" in ln or "failed" in ln)]
+        r.fail(f"train/policy_loss logged at steps {sorted(tags.get('train/policy_loss', {}))}, want {sorted(steps)} "
+               f"({filtered} groups filtered out as all-equal; reward errors: {reward_errors[-3:] or 'none'})")
+    # the reward file scored every answer itself: no checker failure, error or timeout (each would score 0 silently)
+    for tag in ("train/stare/reward_scoring_failed", "train/stare/reward_error", "train/stare/reward_timeout"):
+        if set(tags.get(tag, {})) != steps:
+            r.fail(f"{tag} logged at steps {sorted(tags.get(tag, {}))}, want {sorted(steps)}")
+        bad = {step: v for step, v in tags.get(tag, {}).items() if v != 0}
+        if bad:
+            r.fail(f"{tag} at steps {bad}: the reward checker did not score every answer")
     stare_tags = [t for t in tags if t.startswith("train/stare/")]
     if not stare_tags:
         r.fail(f"no train/stare/* scalar; tags: {sorted(tags)}")

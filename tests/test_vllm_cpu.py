@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -103,21 +104,19 @@ def read_samples(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def first_run(model_dir, work):
+def _first(model_dir, work) -> Path:
     out = work / "first"
     run(eval_args(model_dir, work, out), cwd=work)
     return out
 
 
-@pytest.fixture(scope="module")
-def resumed_run(model_dir, work, first_run):
+def _resumed(model_dir, work, first) -> tuple[Path, list]:
     """A copy of the first run's samples.jsonl as a killed run leaves it: problem "a" complete (with its first
     sample's ``correct`` flipped, to see that it is kept, not redone), one sample of "b", half a line of "c";
     then ``--resume`` in a fresh engine process."""
     out = work / "resumed"
     out.mkdir()
-    rows = read_samples(first_run)
+    rows = read_samples(first)
     kept = [dict(r) for r in rows if r["problem_id"] == "a"]
     kept[0]["correct"] = not kept[0]["correct"]
     partial = [r for r in rows if r["problem_id"] == "b"][:1]
@@ -132,8 +131,7 @@ TOOL_PROBLEM = {"id": "t", "answer": "42", "problem": "Write a python code block
 TOOL_K, TOOL_MAX_TOKENS = 6, 128
 
 
-@pytest.fixture(scope="module")
-def tools_run(model_dir, work):
+def _tools(model_dir, work) -> Path:
     (work / "tools.jsonl").write_text(json.dumps(TOOL_PROBLEM) + "\n")
     out = work / "tools"
     run([str(ENV_STARE), "eval", "--bench", "aime25", "--model", str(model_dir), "--backend", "vllm",
@@ -142,11 +140,47 @@ def tools_run(model_dir, work):
     return out
 
 
-@pytest.fixture(scope="module")
-def probe(model_dir, work) -> dict:
+def _probe(model_dir, work) -> dict:
     out = work / "probe.json"
     run([str(ENV_PY), str(REPO / "scripts" / "vllm_cpu_probe.py"), str(model_dir), str(out)], cwd=work)
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def engine_runs(model_dir, work) -> dict:
+    """The module's four engine processes, two at a time (most of an engine's start is one busy core): the first
+    eval and then its resume in one lane, the tool-use eval and then the probe in the other."""
+    def first_then_resumed():
+        first = _first(model_dir, work)
+        return first, _resumed(model_dir, work, first)
+
+    def tools_then_probe():
+        return _tools(model_dir, work), _probe(model_dir, work)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        lanes = pool.submit(first_then_resumed), pool.submit(tools_then_probe)
+        (first, resumed), (tools, probe) = (lane.result() for lane in lanes)
+    return {"first": first, "resumed": resumed, "tools": tools, "probe": probe}
+
+
+@pytest.fixture(scope="module")
+def first_run(engine_runs):
+    return engine_runs["first"]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(engine_runs):
+    return engine_runs["resumed"]
+
+
+@pytest.fixture(scope="module")
+def tools_run(engine_runs):
+    return engine_runs["tools"]
+
+
+@pytest.fixture(scope="module")
+def probe(engine_runs) -> dict:
+    return engine_runs["probe"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
