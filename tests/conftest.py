@@ -38,6 +38,8 @@ test_device.__test__ = False  # a helper, not a test
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: an algorithm test that also runs on a GPU (pytest -m cuda --device cuda)")
+    config.addinivalue_line("markers", "xdist_group(name): tests run on one pytest-xdist worker (set per module "
+                                       "in conftest.py)")
     config.addinivalue_line("markers", "cpu_only: a test in an algorithm test file that checks CPU-only code or "
                                        "compares with CPU worker processes; not marked cuda")
     dev = test_device(config)
@@ -48,10 +50,21 @@ def pytest_configure(config):
             raise pytest.UsageError("--device cuda: torch sees no CUDA device")
 
 
+# Modules that start real engines (OpenRLHF's training loop, the vLLM CPU engine) and pace their own processes two
+# at a time: under pytest-xdist they share one worker, which starts them first, while the other worker runs the
+# rest of the suite (scripts/test.sh: -n 2 --dist loadgroup).
+REAL_ENGINE_TESTS = ("test_openrlhf_e2e.py", "test_vllm_cpu.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ALGORITHM_TESTS and item.get_closest_marker("cpu_only") is None:
             item.add_marker(pytest.mark.cuda)
+        group = "real-engines" if item.path.name in REAL_ENGINE_TESTS else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
+    # the longest group first, so the suite's wall time is about that group's, not its sum with the rest
+    items.sort(key=lambda item: item.path.name not in REAL_ENGINE_TESTS)
 
 
 def pytest_report_header(config):
