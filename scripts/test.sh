@@ -38,4 +38,5 @@ fi
 rm -f "$vllm_log"
 # Two workers (pytest-xdist): one runs the real-engine modules (they pace their own engine processes), the other the
 # rest; each module stays on one worker (its module fixtures are built once). STARE_TEST_WORKERS=0 runs in one process.
-python3 -m pytest -q -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# (-p no:benchmark: lm-eval pulls in pytest-benchmark, which would warn that xdist disables it; no test uses it)
+python3 -m pytest -q -p no:benchmark -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup "$@"
