@@ -68,9 +68,9 @@ def openrlhf_run(tmp_path_factory):
                                                                        "band_high": 0.45},
         "settings": {"model": "Qwen/Qwen2.5-Math-7B", "seed": 42}}))
     ckpt = root / "ckpt"
-    first = build_tiny_model(ckpt / "global_step10_hf")
+    first = build_tiny_model(tmp_path_factory.mktemp("untrained"))
     model, tok = AutoModelForCausalLM.from_pretrained(first), AutoTokenizer.from_pretrained(first)
-    for step, fit in ((20, 60), (30, 240)):
+    for step, fit in ((10, 14), (20, 4), (30, 6)):  # avg@4 about 0.08, 0.42, 0.5 here: a few seconds of fitting
         _fit(model, tok, fit)
         model.save_pretrained(ckpt / f"global_step{step}_hf")
         tok.save_pretrained(ckpt / f"global_step{step}_hf")
@@ -90,6 +90,8 @@ def openrlhf_run(tmp_path_factory):
 
 
 def test_checkpoint_sweep_resumes_and_compare_draws_the_curve(openrlhf_run, tmp_path):
+    from stare.cli.compare import compare
+    from stare.cli.eval_sweep import plan_sweep
     from stare.cli.rundir import saved_checkpoints
     from stare.eval import load_bench
     from stare.eval.harness import HFBackend, resolve_protocol, run_eval
@@ -97,28 +99,25 @@ def test_checkpoint_sweep_resumes_and_compare_draws_the_curve(openrlhf_run, tmp_
     root, data = openrlhf_run
     assert [s for s, _ in saved_checkpoints(root)] == list(STEPS)
     sweep = ["eval", "--bench", "aime24", "--out", str(root), "--data-file", str(data), *EVAL_ARGS]
-    # a first sweep over every 20th step only: step 20
-    res = stare(*sweep, "--checkpoints", "every:20")
+    res = stare(*sweep, "--checkpoints", "all")
     assert res.returncode == 0, res.stderr[-3000:]
     evals = root / "eval-aime24"
-    assert sorted(p.name for p in evals.iterdir()) == ["step-20"]
-    kept = (evals / "step-20" / "samples.jsonl").read_bytes()
-    # without --resume a finished step is not silently redone
-    assert "pass --resume to continue the sweep" in one_line(stare(*sweep, "--checkpoints", "all"))
-    # every step, resumed: 20 kept, 10 and 30 evaluated
-    res = stare(*sweep, "--checkpoints", "all", "--resume")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "step 20 of" in res.stdout and "kept" in res.stdout
     assert sorted(p.name for p in evals.iterdir()) == [f"step-{s}" for s in STEPS]
-    assert (evals / "step-20" / "samples.jsonl").read_bytes() == kept
-    # a sweep killed inside step 30: its first problem written, the next cut mid-line, no summary
     whole = {s: json.loads((evals / f"step-{s}" / "summary.json").read_text()) for s in STEPS}
+    kept = {s: (evals / f"step-{s}" / "samples.jsonl").read_bytes() for s in (10, 20)}
+    # without --resume a finished step is refused, not silently redone (before anything is written)
+    with pytest.raises(CliError, match="step-10 already holds a finished evaluation; pass --resume to continue"):
+        plan_sweep(out=root, spec="all", bench="aime24", model=None, harness="stare", resume=False, protocol="stare",
+                   k=4, temperature=None, top_p=None, max_tokens=8, backend="hf", tp=1, data_file=data, limit=None,
+                   seed=3, tools=None)
+    # a sweep killed inside step 30: its first problem written, the next cut mid-line, no summary yet
     lines = (evals / "step-30" / "samples.jsonl").read_text().splitlines(keepends=True)
     (evals / "step-30" / "samples.jsonl").write_text("".join(lines[:4]) + lines[4][:20])
     (evals / "step-30" / "summary.json").unlink()
     res = stare(*sweep, "--checkpoints", "all", "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "last line was cut" in res.stderr
+    assert "last line was cut" in res.stderr and res.stdout.count(": kept (") == 2  # steps 10 and 20 kept
+    assert {s: (evals / f"step-{s}" / "samples.jsonl").read_bytes() for s in (10, 20)} == kept
     again = json.loads((evals / "step-30" / "summary.json").read_text())
     assert again["avg_at_k"] == whole[30]["avg_at_k"] and again["ci95"] == whole[30]["ci95"]
 
@@ -133,8 +132,7 @@ def test_checkpoint_sweep_resumes_and_compare_draws_the_curve(openrlhf_run, tmp_
     assert (tmp_path / "direct" / "samples.jsonl").read_text() == (evals / "step-10" / "samples.jsonl").read_text()
 
     out = tmp_path / "cmp"
-    res = stare("compare", str(root), "--out", str(out))
-    assert res.returncode == 0, res.stderr[-3000:]
+    compare([root], out)
     (arm,) = json.loads((out / "comparison.json").read_text())["arms"]
     curve = arm["curves"]["aime24_checkpoint"]
     (run,) = curve["runs"]
@@ -167,12 +165,13 @@ def test_bad_checkpoint_requests_are_one_line(openrlhf_run, tmp_path):
 
     root, data = openrlhf_run
     args = dict(bench="aime24", harness="stare", resume=True, protocol="stare", k=4, temperature=None, top_p=None,
-                max_tokens=8, backend="hf", tp=1, data_file=data, limit=None, seed=0, tools=None)
+                max_tokens=8, backend="hf", tp=1, data_file=data, limit=None, seed=3, tools=None)
     for spec, message in (("every:0", "--checkpoints 'every:0': expected all, or every:N"),
                           ("some", "--checkpoints 'some': expected all, or every:N"),
                           ("every:7", "kept no checkpoint at a multiple of 7 (its steps: 10, 20, 30)")):
         with pytest.raises(CliError, match=re.escape(message)):
             plan_sweep(out=root, spec=spec, model=None, **args)
+    assert [p.step for p in plan_sweep(out=root, spec="every:20", model=None, **args)] == [20]
     with pytest.raises(CliError, match="leave --model out"):
         plan_sweep(out=root, spec="all", model="x/y", **args)
     bare = tmp_path / "bare"
@@ -189,14 +188,16 @@ def test_local_run_keeps_checkpoints_and_evaluates_in_training(tmp_path):
     """keep_checkpoint_every and eval_every move no training number (same metrics and eval.json as a run without
     them); the kept last step is the final model; the in-training evaluation at the last step is eval.json's."""
     from stare.cli.compare import compare
-    from stare.cli.rundir import saved_checkpoints
+    from stare.cli.local.trainer import LocalTrainer
+    from stare.cli.presets import resolve
+    from stare.cli.rundir import prepare_run_dir, saved_checkpoints
 
-    base = ["train", "--preset", "tiny-cpu", "--algo", "stare-phi", *sum((["--set", s] for s in FAST + ["steps=5"]), [])]
-    plain, curves = tmp_path / "plain", tmp_path / "curves"
-    res = stare(*base, "--out", str(plain))
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = stare(*base, "--set", "keep_checkpoint_every=2", "--set", "eval_every=2", "--out", str(curves))
-    assert res.returncode == 0, res.stderr[-3000:]
+    sets = FAST + ["steps=5", "warmstart_steps=40"]
+    plain, curves, warm = tmp_path / "plain", tmp_path / "curves", tmp_path / "warmstart"
+    for run, extra in ((plain, []), (curves, ["keep_checkpoint_every=2", "eval_every=2"])):
+        resolved = resolve("tiny-cpu", "stare-phi", sets + extra)
+        prepare_run_dir(run, resolved, False)
+        LocalTrainer(resolved, run, warmstart_dir=warm).run()  # one warm start for both
 
     def metrics(run):
         return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
