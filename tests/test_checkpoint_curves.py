@@ -192,10 +192,10 @@ def test_local_run_keeps_checkpoints_and_evaluates_in_training(tmp_path):
     from stare.cli.presets import resolve
     from stare.cli.rundir import prepare_run_dir, saved_checkpoints
 
-    sets = FAST + ["steps=5", "warmstart_steps=40"]
+    sets = FAST + ["steps=5", "warmstart_steps=60"]
     plain, curves, warm = tmp_path / "plain", tmp_path / "curves", tmp_path / "warmstart"
     for run, extra in ((plain, []), (curves, ["keep_checkpoint_every=2", "eval_every=2"])):
-        resolved = resolve("tiny-cpu", "stare-phi", sets + extra)
+        resolved = resolve("tiny-cpu", "grpo", sets + extra)
         prepare_run_dir(run, resolved, False)
         LocalTrainer(resolved, run, warmstart_dir=warm).run()  # one warm start for both
 
