@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from stare.cli.plots import CURVES, plot_curves
-from stare.cli.runs import read_evals, read_summary, load_run
+from stare.cli.plots import CURVES, plot_accuracy, plot_curves
+from stare.cli.runs import load_run, read_checkpoint_curves, read_evals, read_summary
 from stare.cli.tables import write_comparison
 from stare.cli.tensorboard_runs import event_dirs, load_tb_run, run_root
 
@@ -71,7 +71,8 @@ def compare(paths: list[Path], out: Path) -> list[dict]:
             run = load_run(d)
         else:  # TensorBoard event files (OpenRLHF)
             root = run_root(d)
-            run = replace(load_tb_run(d), evals=read_evals(root))
+            tb = load_tb_run(d)  # its checkpoint sweeps live beside its config.yaml, as its evals do
+            run = replace(tb, evals=read_evals(root), curves={**tb.curves, **read_checkpoint_curves(root)})
             roots.setdefault(root.resolve(), len(runs))
         roots.setdefault(Path(d).resolve(), len(runs))
         runs.append(run)
@@ -86,4 +87,5 @@ def compare(paths: list[Path], out: Path) -> list[dict]:
     summary = write_comparison(out, runs, evals=standalone)
     if runs:
         plot_curves(out, runs, CURVES + (REFLECTION_CURVE,))
+        plot_accuracy(out, runs)  # accuracy.png, when a run has an accuracy-over-training curve
     return summary["arms"] + summary["evals"]

@@ -19,6 +19,8 @@ AGENTS = ("", "python")  # "" (single turn) | "python" (the sandboxed Python too
 # the tool sandbox's isolations (stare.cli.agent.sandbox.ISOLATION_MODES; a test keeps the two equal): the
 # sandbox module is not imported here, so that stare algos stays light
 ISOLATION_MODES = ("auto", "namespaces", "basic")
+EVAL_BENCHES = ("aime24", "aime25", "amc23", "math500")  # stare.eval.data.BENCHES (a test keeps the two equal): not
+# imported, so that stare algos stays light
 
 
 class SettingsError(ValueError):
@@ -81,6 +83,17 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("max_tokens_per_gpu", int, 16384, "packing: the token budget of one micro-batch", low=1),
     Setting("save_steps", int, 10, "a checkpoint every N steps"),
     Setting("max_checkpoints", int, 2, "checkpoints kept", low=1),
+    Setting("save_hf_checkpoints", bool, False, "also save the policy as a Hugging Face model at every checkpoint "
+            "(OpenRLHF's --ckpt.save_hf: ckpt/global_step<S>_hf/, never rotated), for stare eval --checkpoints"),
+    # in-training evaluation: OpenRLHF's own (--eval.*), scored by this project's reward (math-verify)
+    Setting("eval_every", int, 0, "evaluate on eval_bench every N steps during training (OpenRLHF's --eval.steps; "
+            "logged as eval/eval_<bench>_pass1, read by stare compare as a curve; 0: off)", low=0),
+    Setting("eval_bench", str, "aime24", "the benchmark of the in-training evaluation (its shipped or "
+            "$STARE_DATA_DIR copy, in the training prompt template)", choices=EVAL_BENCHES),
+    Setting("eval_samples_per_prompt", int, 4, "in-training evaluation: samples per problem (pass1 is their mean "
+            "reward: avg@n)", low=1),
+    Setting("eval_temperature", float, 0.6, "in-training evaluation: sampling temperature (top_p and the response "
+            "limit are the rollout's)", low=0.0, high=2.0),
     Setting("reward_timeout_s", float, 5.0, "time limit for scoring one answer, in seconds"),
     Setting("wandb_project", str, "", "non-empty: also log to this W&B project ($WANDB_API_KEY)"),
     Setting("ray_dashboard", bool, False, "start the Ray dashboard with the Ray head started here (off by default: it "

@@ -59,6 +59,11 @@ LOCAL_SETTINGS: list[Setting] = [
     Setting("eval_problems", int, 200, "held-out problems evaluated after training", low=1),
     Setting("eval_k", int, 8, "samples per held-out problem (avg@k, pass@k)", low=1),
     Setting("save_every", int, 25, "a checkpoint every N steps (what --resume continues from)", low=1),
+    Setting("keep_checkpoint_every", int, 0, "also keep the policy of every N-th step (and of the last) in "
+            "checkpoints/step-<S>/, for stare eval --checkpoints (0: off; the files only, no numbers move)", low=0),
+    Setting("eval_every", int, 0, "held-out avg@k every N steps during training, logged as heldout/* in "
+            "metrics.jsonl and drawn by stare compare (0: off; its own sampling stream, so the training numbers "
+            "do not move)", low=0),
     Setting("threads", int, 1, "torch threads per arm", low=1),
     Setting("device", str, "cpu", "where the local engine trains: cpu (default: the README's numbers), cuda (one GPU) "
             "or auto", choices=DEVICES),

@@ -235,15 +235,31 @@ def eval_(
     tools: Optional[str] = typer.Option(None, "--tools", help="python: multi-turn tool use, code blocks run in a "
                                                               "sandbox (settings: STARE_TOOL_* variables; isolation "
                                                               "STARE_SANDBOX_ISOLATION, namespaces by default)."),
+    checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="all or every:N: evaluate each policy the "
+                                              "training run in --out kept (each arm's, for a stare run folder) into "
+                                              "OUT/eval-BENCH/step-S/, for accuracy-over-training curves in stare "
+                                              "compare; --resume continues a stopped sweep, keeping finished steps."),
 ) -> None:
     """Evaluate a model on a math benchmark: avg@k, pass@k, maj@k with 95% bootstrap intervals.
 
     Writes samples.jsonl (one line per sample, as each problem completes), summary.json and summary.md.
     --harness lm-eval runs the shipped lm-eval tasks instead (no --resume) and writes the same summary fields.
+    --checkpoints all (or every:50) evaluates the policies a run kept along the way (local: --set
+    keep_checkpoint_every=N; OpenRLHF: --set save_hf_checkpoints=true), one folder per step.
     """
     from stare.eval.summary import scores_line
 
     from .eval_plan import plan_eval, run_eval_plan
+
+    if checkpoints is not None:
+        from .eval_sweep import plan_sweep, run_sweep
+
+        plans = plan_sweep(out=out, spec=checkpoints, bench=bench, model=model, harness=harness, resume=resume,
+                           protocol=protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           backend=backend, tp=tp, data_file=data_file, limit=limit, seed=seed, tools=tools)
+        for p, summary in run_sweep(plans, console):
+            console.print(f"{bench} step {p.step}: {scores_line(summary)}  -> {escape(str(p.plan.out))}/summary.md")
+        return
 
     plan = plan_eval(bench=bench, model=model, out=out, protocol=protocol, k=k, temperature=temperature, top_p=top_p,
                      max_tokens=max_tokens, backend=backend, harness=harness, tp=tp, data_file=data_file, limit=limit,

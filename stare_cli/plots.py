@@ -96,3 +96,62 @@ def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
         fig.savefig(path)
         written.append(path)
     return written
+
+
+ACCURACY_PLOT = "accuracy.png"
+
+
+def plot_accuracy(out_dir, runs: list[Run]) -> Path | None:
+    """``accuracy.png``: accuracy over training, one panel per curve (``Run.curves``: a bench's ``stare eval
+    --checkpoints`` avg@k, an engine's in-training evaluation), one line per arm against the training step, in the
+    arm's colour and line style. The shaded band is the 95% interval: the run's own (a bootstrap over problems) for
+    one seed; for several seeds the line is the mean over seeds and the band spans the lowest to the highest of
+    their intervals (of their values where no interval was logged). None (nothing written) when no run has a
+    curve."""
+    keys = sorted({key for r in runs for key in r.curves})
+    if not keys:
+        return None
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_arms(runs)
+    palette = matplotlib.colormaps["tab10"].colors
+    styles, used = [], {}
+    for group in groups:
+        c = colour(group[0].algo, palette)
+        styles.append((c, LINESTYLES[used.get(c, 0) % len(LINESTYLES)]))
+        used[c] = used.get(c, 0) + 1
+    fig = Figure(figsize=(7, 3.6 * len(keys)), dpi=110)
+    FigureCanvasAgg(fig)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(len(keys), 1, i + 1)
+        label = next(r.curves[key]["label"] for r in runs if key in r.curves)
+        ks = {p.get("k") for r in runs if key in r.curves for p in r.curves[key]["points"].values()} - {None}
+        for name, group, (col, style) in zip(arm_labels(groups), groups, styles):
+            per_seed = [r.curves[key]["points"] for r in group if key in r.curves]
+            per_seed = [{s: p for s, p in pts.items() if p["value"] is not None} for pts in per_seed]
+            per_seed = [pts for pts in per_seed if pts]
+            if not per_seed:
+                continue
+            steps = sorted(set().union(*per_seed))
+            at = [[pts[s] for pts in per_seed if s in pts] for s in steps]
+            mean = [sum(p["value"] for p in v) / len(v) for v in at]
+            low = [min(p["value"] if p["ci_low"] is None else p["ci_low"] for p in v) for v in at]
+            high = [max(p["value"] if p["ci_high"] is None else p["ci_high"] for p in v) for v in at]
+            ax.plot(steps, mean, color=col, ls=style, lw=1.6, marker="o", ms=3,
+                    label=name if len(per_seed) == 1 else f"{name} ({len(per_seed)} seeds)")
+            ax.fill_between(steps, low, high, color=col, alpha=0.15, lw=0)
+        k_text = f"avg@{ks.pop()}" if len(ks) == 1 else "avg@k"
+        ax.set_xlabel("training step")
+        ax.set_ylabel(k_text)
+        ax.set_title(f"{label}: {k_text} with its 95% interval", fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / ACCURACY_PLOT
+    fig.savefig(path)
+    return path

@@ -5,7 +5,8 @@
   same run resumed); ``prepare_run_dir`` then creates it.
 - A ``stare run`` folder holds ``run.yaml`` (the preset, arms and seeds) and one run folder per arm:
   ``check_run_set_dir`` and ``mark_run_set``.
-- ``final_model``: the model a training run left, for ``stare eval --out RUN`` without ``--model``.
+- ``final_model``: the model a training run left, for ``stare eval --out RUN`` without ``--model``;
+  ``saved_checkpoints``: the policies it kept along the way, for ``stare eval --out RUN --checkpoints``.
 
 Every refusal is a ``RunDirError`` (a ValueError; the CLI prints it as one line and exits with code 2) that says
 nothing was changed.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import zipfile
@@ -73,13 +75,14 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
 
 # local settings added after runs were made, with the value that gives those runs' behaviour (a folder from before
 # them resumes when the new settings equal these)
-LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True}
+LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True, "keep_checkpoint_every": 0,
+                         "eval_every": 0}
 
 
 # what a run may be resumed with changed, by section of its config: where it computes (a checkpoint saved on a GPU
-# resumes on CPU), whether the Ray head it starts has a dashboard (nothing the training sees) and with which
+# resumes on CPU), which steps' policies it keeps (files only), whether the Ray head it starts has a dashboard (nothing the training sees) and with which
 # statistics kernel (the kernels differ only in rounding); folders from before these settings have none of them
-RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard"), "algo": ("stats_kernel",)}
+RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard", "keep_checkpoint_every"), "algo": ("stats_kernel",)}
 
 
 def _comparable(config: dict) -> dict:
@@ -135,6 +138,31 @@ def final_model(run_dir: Path) -> Path | None:
     if (run_dir / "config.yaml").exists() and (final / "config.json").exists():
         return final
     return None
+
+
+# --- the policies a run kept along the way (stare eval --checkpoints) ----------------------------------------
+
+KEPT = "checkpoints"  # a local run's checkpoints/step-<S>/ (local/trainer.py KEPT, setting keep_checkpoint_every)
+OPENRLHF_CKPT = "ckpt"  # an OpenRLHF run's --ckpt.path (argv.build_launch); with --ckpt.save_hf it holds
+# global_step<S>_hf/ per save (openrlhf/trainer/ray/ppo_actor.py save_checkpoint, 0.11.2)
+_LOCAL_STEP = re.compile(r"step-(\d+)")
+_OPENRLHF_STEP = re.compile(r"global_step(\d+)_hf")
+
+
+def saved_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, model folder) of every policy a training run kept, by step: a local run's ``checkpoints/step-<S>/``
+    and an OpenRLHF run's ``ckpt/global_step<S>_hf/`` (its ``best_global_step<S>_hf`` copies are the same steps
+    again, left out). Only folders with a ``config.json`` count (a save cut short has none yet)."""
+    run_dir = Path(run_dir)
+    found: dict[int, Path] = {}
+    for parent, pattern in ((run_dir / KEPT, _LOCAL_STEP), (run_dir / OPENRLHF_CKPT, _OPENRLHF_STEP)):
+        if not parent.is_dir():
+            continue
+        for folder in parent.iterdir():
+            m = pattern.fullmatch(folder.name)
+            if m and (folder / "config.json").is_file():
+                found.setdefault(int(m.group(1)), folder)
+    return sorted(found.items())
 
 
 # --- what a resume continues from ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 A run directory (one algorithm, one seed) holds ``config.yaml`` (the resolved settings), ``metrics.jsonl`` (one
 JSON object per RL step) and, once the run has finished, ``eval.json`` (held-out avg@k, pass@k, greedy accuracy,
 overall and on the hard cases, and the warm start's numbers before RL), and the ``eval-<bench>/summary.json``
-folders of ``stare eval --out RUN`` (``Run.evals``). OpenRLHF runs are read into the same record from their
+folders of ``stare eval --out RUN`` (``Run.evals``), and the accuracy-over-training curves (``Run.curves``: the
+``eval-<bench>/step-<S>/`` folders of ``stare eval --checkpoints``, the ``heldout/*`` metrics of ``eval_every``).
+OpenRLHF runs are read into the same record from their
 TensorBoard logs (``stare.cli.tensorboard_runs``).
 
 1. ``load_run``: one run directory -> ``Run``;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import warnings
 from dataclasses import dataclass, field
@@ -46,6 +49,9 @@ class Run:
     metrics: list[dict]  # one record per step, sorted by step
     eval: dict | None  # eval.json, None while the run has not finished
     evals: dict = field(default_factory=dict)  # bench -> summary.json of a ``stare eval`` of this run
+    # accuracy over training: curve key -> {"label", "points": {step: {"value", "ci_low", "ci_high", "k"}}}
+    # (``read_checkpoint_curves``, ``heldout_curve``, ``tensorboard_runs.eval_curves``)
+    curves: dict = field(default_factory=dict)
 
 
 BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
@@ -71,6 +77,34 @@ def read_evals(folder: Path) -> dict[str, dict]:
             summary = read_summary(sub)
             found[summary["bench"]] = summary
     return found
+
+
+def read_checkpoint_curves(folder: Path) -> dict[str, dict]:
+    """The ``stare eval --checkpoints`` sweeps of a run (``eval-<bench>/step-<S>/summary.json``) as curves, one per
+    bench: key ``<bench>_checkpoint``, each step's avg@k with its 95% bootstrap interval and k."""
+    curves: dict[str, dict] = {}
+    for sub in sorted(Path(folder).glob("eval-*/step-*/summary.json")):
+        m = re.fullmatch(r"step-(\d+)", sub.parent.name)
+        if m is None:
+            continue
+        summary = read_summary(sub.parent)
+        ci = (summary.get("ci95") or {}).get("avg_at_k") or [None, None]
+        curve = curves.setdefault(f"{summary['bench']}_checkpoint",
+                                  {"label": f"{summary['bench']} (checkpoints)", "points": {}})
+        curve["points"][int(m.group(1))] = {"value": num(summary.get("avg_at_k")), "ci_low": num(ci[0]),
+                                            "ci_high": num(ci[1]), "k": summary.get("k")}
+    return curves
+
+
+HELDOUT_CURVE = "heldout_in_training"  # the local engine's eval_every (``heldout/*`` in metrics.jsonl)
+
+
+def heldout_curve(metrics: list[dict]) -> dict[str, dict]:
+    """The local engine's in-training held-out avg@k (setting ``eval_every``) as a curve; none when never logged."""
+    points = {r["step"]: {"value": num(r.get("heldout/avg_at_k")), "ci_low": num(r.get("heldout/ci_low")),
+                          "ci_high": num(r.get("heldout/ci_high")), "k": r.get("heldout/k")}
+              for r in metrics if num(r.get("heldout/avg_at_k")) is not None}
+    return {HELDOUT_CURVE: {"label": "held-out (in training)", "points": points}} if points else {}
 
 
 def load_run(path) -> Run:
@@ -126,7 +160,7 @@ def load_run(path) -> Run:
         if not isinstance(result, dict) or not isinstance(result.get("k"), int):
             raise ValueError(f"{eval_path} is malformed: expected a JSON object with an integer k")
     return Run(path=path, algo=algo["name"], seed=seed, config=config, metrics=metrics, eval=result,
-               evals=read_evals(path))
+               evals=read_evals(path), curves={**heldout_curve(metrics), **read_checkpoint_curves(path)})
 
 
 # ---- 2. per-run measures and one arm's summary ------------------------------------------------------------------
@@ -288,6 +322,36 @@ def common_k(runs: list[Run]) -> int | None:
     return ks.pop() if ks else None
 
 
+def curve_measures(points: dict[int, dict]) -> dict:
+    """One run's curve: its points by step, the best value (the first step reaching it) and the last step's."""
+    pts = [{"step": s, **points[s]} for s in sorted(points) if points[s]["value"] is not None]
+    if not pts:
+        return {"points": [], "best": None, "best_step": None, "last": None, "last_step": None}
+    best = max(pts, key=lambda p: p["value"])  # max() keeps the first of equal values: the earliest step
+    return {"points": pts, "best": best["value"], "best_step": best["step"], "last": pts[-1]["value"],
+            "last_step": pts[-1]["step"]}
+
+
+def summarise_curves(runs: list[Run]) -> dict:
+    """curve key -> {"label", "best", "last" (each mean/std/n over the runs that have the curve), "best_step",
+    "last_step" (shared, or "/"-joined), "runs": [{"path", "seed", "points", "best", "best_step", "last",
+    "last_step"}]} over one arm's runs."""
+    out = {}
+    for key in sorted({key for r in runs for key in r.curves}):
+        per_run = [{"path": str(r.path), "seed": r.seed, **curve_measures(r.curves[key]["points"])}
+                   for r in runs if key in r.curves]
+        label = next(r.curves[key]["label"] for r in runs if key in r.curves)
+
+        def shared(name):
+            distinct = list(dict.fromkeys(p[name] for p in per_run if p[name] is not None))
+            return distinct[0] if len(distinct) == 1 else "/".join(map(str, distinct)) or None
+
+        out[key] = {"label": label, "best": aggregate([p["best"] for p in per_run]),
+                    "last": aggregate([p["last"] for p in per_run]), "best_step": shared("best_step"),
+                    "last_step": shared("last_step"), "runs": per_run}
+    return out
+
+
 def summarise_arm(runs: list[Run]) -> dict:
     """One arm's seeds: each run's measures and, per measure, mean, sample std and count over the seeds.
 
@@ -320,5 +384,6 @@ def summarise_arm(runs: list[Run]) -> dict:
         "metrics": {name: aggregate([p[name] for p in per_run]) for name in MEASURES},
         "telemetry": {name: aggregate([p["telemetry"][name] for p in per_run]) for name in TELEMETRY},
         "benches": summarise_benches([r.evals for r in runs]),
+        "curves": summarise_curves(runs),
         "runs": per_run,
     }

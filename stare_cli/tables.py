@@ -14,8 +14,9 @@ Columns: arm, seeds, final reward (last ``FINAL_PCT``% of steps), held-out avg@k
 slope (least squares over the last ``SLOPE_PCT``% of steps); then, when there are hard cases, hard avg@k and
 pass@k and the permutation-test p against the baseline; then, when any row has ``stare eval`` outputs, avg@k
 (with its 95% interval for one run) and pass@k per benchmark and reflection words per 1k tokens (the metrics
-``stare.eval.metrics.METRICS`` marks for the comparison: ``compared("bench")``, ``compared("pooled")``). The CSV
-also has the late response length. A value that cannot be computed is a blank cell, never 0.
+``stare.eval.metrics.METRICS`` marks for the comparison: ``compared("bench")``, ``compared("pooled")``); then,
+when any run has an accuracy-over-training curve (``stare.cli.runs.Run.curves``), its best and its last point per
+curve (``<key>_best_*``, ``<key>_last_*`` in the CSV, with their steps). The CSV also has the late response length. A value that cannot be computed is a blank cell, never 0.
 
 When any run logged the selection telemetry (``stare.cli.runs.TELEMETRY``: gate-on share, mean weight, the Phi > 0
 shares of the boosted and lowered tokens, masked and penalised shares, the entropy forecast with and without the
@@ -143,6 +144,13 @@ def _bench_cell(cell: dict | None, n_seeds: int) -> str:
     if cell["ci95"]:
         text += f" [{_fmt(cell['ci95'][0])}, {_fmt(cell['ci95'][1])}]"
     return text + f" (k={cell['k']})"
+
+
+def _curve_cell(curve: dict | None, which: str, n_seeds: int) -> str:
+    """A curve's best or last point: ``value (step S)`` for one run, ``mean ± std (step S/T)`` over seeds."""
+    if not curve or curve[which]["mean"] is None:
+        return ""
+    return _cell(curve[which], n_seeds) + f" (step {curve[f'{which}_step']})"
 
 
 # the selection telemetry table: (measure in runs.TELEMETRY, header, digits, scientific: signed, as +1.00e-03)
@@ -341,12 +349,16 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     def pooled_cell(m, bench_cells: dict) -> dict | None:  # the first bench (in bench order) that measured it
         return next((c[m.compare_name] for c in bench_cells.values() if c[m.compare_name]["n"]), None)
 
+    # accuracy over training (Run.curves): the best and the last point of each curve, per arm
+    curve_keys = sorted({key for a in arms for key in a["curves"]})
+    curve_labels = {key: next(a["curves"][key]["label"] for a in arms if key in a["curves"]) for key in curve_keys}
     ws = summary["warmstart"]
     # (md label, csv name, seeds, metrics, p, benches)
     rows = ([("warm start (before RL)", "warmstart", ws["n_seeds"], ws["metrics"], None, {})] if ws else []) + \
            [(a["label"], a["label"], a["n_seeds"], a["metrics"], a["p_hard_pass_vs_baseline"], a["benches"])
             for a in arms] + \
            [(e["label"], e["label"], 1, {}, None, e["benches"]) for e in eval_rows]
+    row_curves = ([{}] if ws else []) + [a["curves"] for a in arms] + [{} for _ in eval_rows]
 
     # comparison.md
     seeds = common(a["n_seeds"] for a in arms)
@@ -358,14 +370,16 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     for b in benches:
         titles += [f"{b} {m.label('k')}" for m in bench_metrics]
     titles += [m.compare_header for m in pooled]
+    titles += [f"{curve_labels[key]} {which}" for key in curve_keys for which in ("best", "last")]
     md = ["# Comparison", "", header, "",
           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
-    for label, _, n, metrics, p, bench_cells in rows:
+    for (label, _, n, metrics, p, bench_cells), curves in zip(rows, row_curves):
         cells = [label, str(n)] + [_cell(metrics.get(c[0]), n, c[3]) for c in shown] + ([_fmt_p(p)] if show_p else [])
         for b in benches:
             cell = bench_cells.get(b)
             cells += [_bench_cell(cell, n)] + [_cell(cell[m.key], n) if cell else "" for m in bench_metrics[1:]]
         cells += [_cell(pooled_cell(m, bench_cells), n, digits=m.compare_digits) for m in pooled]
+        cells += [_curve_cell(curves.get(key), which, n) for key in curve_keys for which in ("best", "last")]
         md.append("| " + " | ".join(cells) + " |")
     md += ["", f"final reward: mean reward over the last {FINAL_PCT}% of steps; late H and band share: the last "
            f"{LATE_PCT}% of steps; reward slope: least squares over the last {SLOPE_PCT}% of steps; "
@@ -374,6 +388,11 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         md += ["", "<bench> avg@k: `stare eval` of the run's final model (eval-<bench>/summary.json, or an "
                "evaluation whose model is the run's final/), with its 95% bootstrap interval over problems for "
                "one run, mean ± sample std over seeds for several."]
+    if curve_keys:
+        md += ["", "best / last: accuracy over training, each run's highest point (its first step) and its last "
+               "point, mean ± sample std over seeds: (checkpoints) `stare eval --checkpoints` avg@k of the kept "
+               "policies; (in training) the engine's own evaluation during training (local: `eval_every`; OpenRLHF: "
+               "its eval/ pass1 logs). The curves: accuracy.png."]
     md += ([""] + [f"- {n}" for n in notes]) if notes else []
     md += _seed_md(summary["seed_tests"], baseline, kk)
     md += _telemetry_md(arms)
@@ -386,6 +405,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         bench_fields = [f"{b}_{m.key}_{s}" for m in bench_metrics for s in ("mean", "std")]
         fields += bench_fields[:2] + [f"{b}_ci_low", f"{b}_ci_high"] + bench_fields[2:] + [f"{b}_k"]
     fields += [f"{m.key}_{s}" for m in pooled for s in ("mean", "std")]
+    fields += [f"{key}_{which}_{s}" for key in curve_keys for which in ("best", "last") for s in ("mean", "std", "step")]
 
     def pair(agg: dict | None) -> list[str]:
         agg = agg or {}
@@ -394,7 +414,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     with open(out_dir / "comparison.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(fields)
-        for _, name, n, metrics, p, bench_cells in rows:
+        for (_, name, n, metrics, p, bench_cells), curves in zip(rows, row_curves):
             cells = [name, n]
             for c in columns:
                 cells += pair(metrics.get(c[0]))
@@ -410,6 +430,11 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
                 cells.append(cell["k"] if cell["k"] is not None else "")
             for m in pooled:
                 cells += pair(pooled_cell(m, bench_cells))
+            for key in curve_keys:
+                curve = curves.get(key)
+                for which in ("best", "last"):
+                    step = curve[f"{which}_step"] if curve else None
+                    cells += pair(curve[which] if curve else None) + ["" if step is None else step]
             writer.writerow(cells)
 
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -6,12 +6,17 @@ event files is one run (several files in one folder, as after a restart, are one
 later value wins). ``TB_TAGS`` says which tag feeds which metric; a metric whose tags are all absent stays absent,
 so its cells are blank. The run's settings (algorithm, target band, model) come from a ``config.yaml`` in the
 event folder or one of its two parents, when there is one; without it the algorithm and band share are blank.
-``eval/<key>`` scalars (OpenRLHF's in-training evaluation, its own protocol) are not read: a run's benchmark
-columns come from ``stare eval`` outputs (``eval-<bench>/summary.json``) next to its config.yaml.
+OpenRLHF's in-training evaluation (``--eval.dataset``, the GPU setting ``eval_every``) logs
+``eval/eval_<datasource>_pass1`` (the mean reward of its n samples per prompt: avg@n with this project's 0/1
+reward) and ``eval/eval_<datasource>_pass<n>``: ``eval_curves`` reads them as accuracy-over-training curves
+(``<datasource>_in_training``, n from the pass<n> tag), the same curves as a local run's ``eval_every`` and as
+``stare eval --checkpoints`` (``Run.curves``). A run's benchmark columns come from ``stare eval`` outputs
+(``eval-<bench>/summary.json``) next to its config.yaml.
 """
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from .presets import read_config
@@ -88,6 +93,31 @@ def _config(path: Path | None) -> dict:
     return data
 
 
+# openrlhf/trainer/ppo_trainer.py compute_eval_metrics (0.11.2): eval_{ds}_pass1, eval_{ds}_pass{n} (n > 1),
+# written by logging_utils.py TensorboardLogger.log_eval under eval/
+_EVAL_PASS = re.compile(r"eval/eval_(.+)_pass(\d+)")
+
+
+def eval_curves(scalars: dict[str, dict[int, float]]) -> dict[str, dict]:
+    """OpenRLHF's in-training evaluation as curves: datasource -> ``<ds>_in_training`` with each step's pass1 (no
+    interval: OpenRLHF logs none) and n, the samples per prompt (from its pass<n> tag)."""
+    found: dict[str, dict[int, int]] = {}
+    for tag in scalars:
+        m = _EVAL_PASS.fullmatch(tag)
+        if m:
+            found.setdefault(m.group(1), {})[int(m.group(2))] = 1
+    curves = {}
+    for ds, passes in sorted(found.items()):
+        if 1 not in passes:
+            continue
+        n = max(passes)  # pass1 alone: one sample per prompt
+        points = {step: {"value": v, "ci_low": None, "ci_high": None, "k": n}
+                  for step, v in scalars[f"eval/eval_{ds}_pass1"].items() if math.isfinite(v)}
+        if points:
+            curves[f"{ds}_in_training"] = {"label": f"{ds} (in training)", "points": points}
+    return curves
+
+
 def load_tb_run(folder: Path):
     """A ``Run`` (as ``stare.cli.runs`` defines; ``algo`` None without a config.yaml) from the event files in
     ``folder``; ValueError when none of ``TB_TAGS``' tags is there."""
@@ -103,6 +133,7 @@ def load_tb_run(folder: Path):
         for step, value in scalars[tag].items():
             if math.isfinite(value):
                 records.setdefault(step, {"step": step})[key] = value
+    curves = eval_curves(scalars)
     if not records:
         known = sorted({t for tags in TB_TAGS.values() for t in tags})
         raise ValueError(f"{folder}: its TensorBoard logs have none of the tags stare compare reads "
@@ -112,7 +143,7 @@ def load_tb_run(folder: Path):
     algo = config["algo"].get("name") if isinstance(config["algo"].get("name"), str) else None
     seed = (config.get("settings") or {}).get("seed") if isinstance(config.get("settings"), dict) else None
     return Run(path=folder, algo=algo, seed=seed, config=config, metrics=[records[s] for s in sorted(records)],
-               eval=None)
+               eval=None, curves=curves)
 
 
 def run_root(folder: Path) -> Path:

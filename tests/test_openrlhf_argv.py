@@ -217,3 +217,36 @@ def test_the_baselines_dry_run_prints_the_plugins_settings_and_kl_cov_is_unclipp
     assert float(clip_ratio) == 0.0
     clipped = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
     assert float(clipped[mask].mean()) != pytest.approx(float(loss), rel=1e-3)
+
+
+def test_in_training_eval_and_hf_checkpoints_reach_openrlhfs_parser(tmp_path, monkeypatch):
+    """eval_every and save_hf_checkpoints become OpenRLHF's --eval.* and --ckpt.save_hf flags, as its parser reads
+    them (its own check that an eval set has a reward passes); off (every preset's default), none of them is there.
+    The eval file stare train writes is the bench's problems in the training template, each with its datasource."""
+    from stare.cli.openrlhf_backend.argv import eval_file
+    from stare.cli.openrlhf_backend.data import prepare_eval_prompts
+    from stare.eval import load_bench
+
+    sets = ["eval_every=25", "eval_bench=aime25", "eval_samples_per_prompt=8", "eval_temperature=1.0",
+            "save_hf_checkpoints=true"]
+    resolved = resolve("qwen-7b-long-cot", "stare", sets)
+    plan = orl.plan(resolved, tmp_path / "run")
+    args = parse_with_openrlhf(plan["openrlhf_argv"], monkeypatch)
+    assert args.eval.dataset == str((tmp_path / "run" / eval_file("aime25")).absolute())
+    assert (args.eval.steps, args.eval.n_samples_per_prompt, args.eval.temperature) == (25, 8, 1.0)
+    assert args.ckpt.save_hf is True and args.ckpt.best_metric_key == "none"
+    plain = orl.plan(resolve("qwen-7b-long-cot", "stare"), tmp_path / "plain")["openrlhf_argv"]
+    assert not any(a.startswith("--eval.") or a in ("--ckpt.save_hf", "--ckpt.best_metric_key") for a in plain)
+
+    info = prepare_eval_prompts("aime25", resolved["settings"]["prompt_template"], tmp_path / "eval.jsonl")
+    rows = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    problems = load_bench("aime25")
+    assert info["problems"] == len(rows) == len(problems) == 30
+    assert rows[0] == {"prompt": resolved["settings"]["prompt_template"].replace("{problem}", problems[0].problem),
+                       "label": problems[0].answer, "datasource": "aime25"}
+    with pytest.raises(Exception, match="eval_bench"):
+        resolve("qwen-7b-long-cot", "stare", ["eval_bench=gsm8k"])
+    from stare.cli.gpu_schema import EVAL_BENCHES
+    from stare.eval import BENCHES
+
+    assert EVAL_BENCHES == tuple(BENCHES)  # the schema's copy of the names (no stare.eval import there)

@@ -16,7 +16,11 @@ from .tasks import Task
 
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, seed: int, max_new_tokens: int,
-                    temperature: float = 1.0, chat: bool = False, batch_prompts: int = 64) -> dict:
+                    temperature: float = 1.0, chat: bool = False, batch_prompts: int = 64,
+                    per_problem: bool = False) -> dict:
+    """avg@k, pass@k and greedy accuracy on ``n_problems`` held-out problems (overall, and on the hard and easy cases
+    when the task has hard ones); ``per_problem``: also each problem's share of correct samples (``per_problem``,
+    for an interval), which eval.json does not hold."""
     problems = task.problems(n_problems, seed=seed, split="test")
     device = next(model.parameters()).device  # everything on the model's device
     gen = torch.Generator(device).manual_seed(10_000 + seed)
@@ -41,6 +45,8 @@ def evaluate_policy(model, tokenizer, task: Task, *, n_problems: int, k: int, se
                 "greedy_accuracy": sum(greedy[i] for i in rows) / len(rows)}
 
     out = {"k": k, "temperature": temperature, **summarise(list(range(len(problems))))}
+    if per_problem:
+        out["per_problem"] = [sum(row) / len(row) for row in correct]
     hard = [i for i, p in enumerate(problems) if p.hard]
     if hard:
         out["hard"] = summarise(hard)

@@ -98,7 +98,7 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
     """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
     ``out`` (``run_arms``), then ``comparison.md``/``.csv``/``.json`` and the plots; returns the plot files."""
     from ..errors import check_out_dir
-    from ..plots import plot_curves
+    from ..plots import plot_accuracy, plot_curves
     from ..runs import load_run
     from ..tables import write_comparison
 
@@ -119,7 +119,8 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
         raise CliError(str(exc)) from None
     runs = [load_run(d) for d in dirs]
     write_comparison(out, runs)
-    return plot_curves(out, runs)
+    accuracy = plot_accuracy(out, runs)  # only with eval_every (or checkpoint sweeps) on
+    return plot_curves(out, runs) + ([accuracy] if accuracy else [])
 
 
 def _warmstart_job(resolved: dict, folder: str) -> str:

@@ -16,8 +16,12 @@ Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin mak
 6. ``mini_batches`` optimizer steps of ``policy_loss``, each accumulated over micro-batches with the
    mini-batch's global token and sequence counts;
 7. one more no-grad pass over the same batch for ``stare/entropy_change_same_batch`` (setting
-   ``same_batch_entropy``; off, the metric is absent); one JSON line in ``metrics.jsonl``, and a checkpoint every
-   ``save_every`` steps.
+   ``same_batch_entropy``; off, the metric is absent); every ``eval_every`` steps (0: never) the held-out avg@k,
+   pass@k and greedy accuracy with a 95% bootstrap interval (``heldout/*``, the same evaluation as eval.json's, on
+   its own generator); one JSON line in ``metrics.jsonl``, a checkpoint every ``save_every`` steps, and the policy
+   alone in ``checkpoints/step-<S>/`` every ``keep_checkpoint_every`` steps and at the last (0: never; what
+   ``stare eval --checkpoints`` evaluates). Neither draws from the training's random streams, so turning them on
+   changes no training number.
 
 A checkpoint holds the model, optimizer, controller and every RNG state, so a killed run resumed with
 ``--resume`` ends with the same metrics as an uninterrupted one (CPU arithmetic is deterministic).
@@ -58,7 +62,7 @@ from .evaluate import evaluate_policy
 from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
 from .tasks import get_task
 
-from ..rundir import atomic_write, read_jsonl
+from ..rundir import KEPT, atomic_write, read_jsonl  # KEPT: checkpoints/step-<S>/ (keep_checkpoint_every)
 
 CHECKPOINT = "checkpoint"
 FINAL = "final"
@@ -127,6 +131,35 @@ class LocalTrainer:
         tmp.rename(final)
         if old.exists():
             shutil.rmtree(old)
+
+    def _keep(self) -> None:
+        """The policy of this step in ``checkpoints/step-<S>/`` (model and tokenizer, loadable with
+        ``from_pretrained``), written through a temporary folder; a step redone after a resume replaces it."""
+        folder = self.run_dir / KEPT / f"step-{self.step}"
+        tmp = folder.with_name(folder.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+
+    def _heldout(self) -> dict:
+        """The held-out evaluation of ``finish`` (same problems, k and seed) at this step, as ``heldout/*`` metrics
+        with the 95% bootstrap interval of avg@k over problems (``stare.eval.metrics.bootstrap_ci``). It samples
+        from its own generator and leaves the model in training mode, so no training number moves."""
+        from stare.eval.metrics import bootstrap_ci
+
+        self.model.eval()
+        result = evaluate_policy(self.model, self.tokenizer, self.task, n_problems=self.s["eval_problems"],
+                                 k=self.s["eval_k"], seed=self.s["seed"], max_new_tokens=self.s["max_new_tokens"],
+                                 temperature=self.s["temperature"], chat=self.chat, per_problem=True)
+        self.model.train()
+        low, high = bootstrap_ci(result["per_problem"])
+        return {"heldout/avg_at_k": result["avg_at_k"], "heldout/pass_at_k": result["pass_at_k"],
+                "heldout/greedy_accuracy": result["greedy_accuracy"], "heldout/ci_low": low, "heldout/ci_high": high,
+                "heldout/k": result["k"]}
 
     def _restore(self) -> None:
         ckpt = self.run_dir / CHECKPOINT
@@ -284,8 +317,14 @@ class LocalTrainer:
             while self.step < steps:
                 rec = self.train_step()
                 self.step += 1
+                every = self.s.get("eval_every", 0)  # absent in configs from before the setting: off
+                if every and (self.step % every == 0 or self.step == steps):
+                    rec.update(self._heldout())
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
+                keep = self.s.get("keep_checkpoint_every", 0)
+                if keep and (self.step % keep == 0 or self.step == steps):
+                    self._keep()
                 if self.step % self.s["save_every"] == 0 or self.step == steps:
                     self._save()
                 if on_step is not None:

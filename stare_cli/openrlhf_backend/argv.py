@@ -28,6 +28,12 @@ DASHBOARD_ENV = "STARE_RAY_DASHBOARD"  # 1: the local Ray head starts its dashbo
 REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
 PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
 
+
+def eval_file(bench: str) -> str:
+    """The in-training evaluation's prompt file, relative to the run directory (written by stare train before
+    launch, as PROMPT_FILE, with a ``datasource`` per row: OpenRLHF logs eval/eval_<datasource>_pass1)."""
+    return f"data/eval-{bench}.jsonl"
+
 # Our loss aggregations -> OpenRLHF's --actor.loss_agg_mode (Dr.GRPO's constant-length sum has no OpenRLHF
 # mode; token-mean is the nearest, and the dry-run says so in "notes").
 AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
@@ -219,10 +225,21 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
         flag("ds.packing_samples")
         flag("train.dynamic_batch_enable")
         flag("train.max_tokens_per_gpu", s["max_tokens_per_gpu"])
+    # in-training evaluation (train_ppo_ray.py: --eval.dataset needs --reward.remote_url or --train.agent_func_path,
+    # which every run has); OpenRLHF's best-checkpoint saving, on by default with an eval set, is turned off: a full
+    # DeepSpeed checkpoint per improvement is not what eval_every asks for
+    if s["eval_every"]:
+        flag("eval.dataset", str(out / eval_file(s["eval_bench"])))
+        flag("eval.steps", s["eval_every"])
+        flag("eval.n_samples_per_prompt", s["eval_samples_per_prompt"])
+        flag("eval.temperature", s["eval_temperature"])
+        flag("ckpt.best_metric_key", "none")
     # outputs: checkpoints (resumed automatically when present), final model, logs
     flag("ckpt.path", str(out / "ckpt"))
     flag("ckpt.save_steps", s["save_steps"])
     flag("ckpt.max_num", s["max_checkpoints"])
+    if s["save_hf_checkpoints"]:
+        flag("ckpt.save_hf")
     flag("ckpt.load_enable")
     flag("ckpt.output_dir", str(out / "final"))
     flag("logger.tensorboard_dir", str(out / "tensorboard"))

@@ -110,3 +110,21 @@ def prepare_prompts(source: str, template: str, out_file: Path, *, split: str = 
     info = {**want, "rows": len(rows), "problems": len(lines)}
     stamp.write_text(json.dumps(info, indent=1))
     return info
+
+
+def prepare_eval_prompts(bench: str, template: str, out_file: Path) -> dict:
+    """Write the in-training evaluation's prompt file: ``bench``'s problems (``stare.eval.load_bench``: the shipped
+    copy or ``$STARE_DATA_DIR``'s) as ``{"prompt", "label", "datasource": bench}`` lines, the prompt in the training
+    ``template`` (OpenRLHF applies the same chat template and the same ``input_key``/``label_key`` to both sets, and
+    names its eval scalars after ``datasource``). Returns ``{"bench", "problems"}``."""
+    from stare.eval import load_bench
+
+    problems = load_bench(bench)
+    lines = [json.dumps({"prompt": template.replace("{problem}", p.problem), "label": p.answer, "datasource": bench},
+                        ensure_ascii=False) for p in problems]
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, out_file)
+    return {"bench": bench, "problems": len(lines)}

@@ -82,6 +82,15 @@ def start(resolved: dict, launch_plan: dict, *, log=print) -> None:
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     log(f"  {info['problems']} problems (from {info['rows']} rows)")
+    if s["eval_every"]:  # OpenRLHF's in-training evaluation set, in the same template
+        from .argv import eval_file
+        from .data import prepare_eval_prompts
+
+        try:
+            info = prepare_eval_prompts(s["eval_bench"], s["prompt_template"], out / eval_file(s["eval_bench"]))
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+        log(f"evaluation every {s['eval_every']} steps: {info['problems']} {info['bench']} problems")
     (out / "command.sh").write_text("#!/usr/bin/env bash\n" + launch_plan["command"] + "\n")
     os.environ.update(launch_plan["ray"]["runtime_env"]["env_vars"])
     launch(launch_plan["openrlhf_argv"], ray_address=launch_plan["ray"]["address"],
