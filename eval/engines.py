@@ -119,14 +119,33 @@ class EnginePool:
         self.pids = [i["pid"] for i in infos]
         return actors
 
-    def _any(self):
-        return self.actors[min(self.alive)]
+    def _ask(self, method: str, *args):
+        """One call on a live engine (the next one when an engine is found dead)."""
+        from ray.exceptions import RayActorError
+
+        while self.alive:
+            e = min(self.alive)
+            try:
+                return self.ray.get(getattr(self.actors[e], method).remote(*args))
+            except RayActorError as exc:
+                self._lost(e, exc)
+        raise EngineError(f"all {self.engines} engines died")
+
+    def _lost(self, e: int, exc: BaseException) -> None:
+        """Engine ``e`` is dead: one warning, or ``EngineError`` when it was the last."""
+        if e not in self.alive:
+            return
+        self.alive.discard(e)
+        if not self.alive:
+            raise EngineError(f"all {self.engines} engines died (the last: {one_line(exc)})") from None
+        self.warn(f"engine {e + 1} of {self.engines} died ({one_line(exc)}); its problems go to the "
+                  f"{len(self.alive)} left")
 
     def prompt_text(self, problem: str, instruction: str) -> str:
-        return self.ray.get(self._any().prompt_text.remote(problem, instruction))
+        return self._ask("prompt_text", problem, instruction)
 
     def prompt_tokens(self, prompt: str) -> int:
-        return self.ray.get(self._any().prompt_tokens.remote(prompt))
+        return self._ask("prompt_tokens", prompt)
 
     def imap(self, todo, proto, seed: int):
         """Yield ``(index, samples)`` for every ``(index, problem)`` of ``todo`` as each completes (``samples`` is
@@ -157,12 +176,7 @@ class EnginePool:
                 result = ray.get(ref)
             except (RayActorError, WorkerCrashedError) as exc:
                 queue.appendleft((i, p))  # redone elsewhere; its other queued problems come back the same way
-                if e in self.alive:
-                    self.alive.discard(e)
-                    if not self.alive:
-                        raise EngineError(f"all {self.engines} engines died (the last: {one_line(exc)})") from None
-                    self.warn(f"engine {e + 1} of {self.engines} died ({one_line(exc)}); its problems go to the "
-                              f"{len(self.alive)} left")
+                self._lost(e, exc)
                 fill()
                 continue
             fill()

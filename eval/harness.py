@@ -2,9 +2,10 @@
 
 One problem at a time: its k samples are generated in one call (seeded from ``seed``, the problem's position
 and k, see ``problem_seed``, so a redone problem gives the same samples), scored with math-verify, and appended
-to ``samples.jsonl`` before the next problem starts. ``--resume`` keeps every problem whose k samples are all
-on disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the
-problem in flight and ends with the same numbers.
+to ``samples.jsonl`` before the next problem starts; several engines (``stare.eval.engines``) draw several at once,
+with the same seeds, each appended as it completes. ``--resume`` keeps every problem whose k samples are all on
+disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the problems in
+flight and ends with the same numbers.
 
 Backends share one interface (``name``, ``prompt_text(problem, instruction)``, ``generate(prompt, n, proto, seed)``
 -> ``[(text, num_tokens)] * n``): ``HFBackend`` (transformers ``generate``, CPU or one GPU) and ``VLLMBackend``
