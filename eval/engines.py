@@ -62,10 +62,15 @@ def start_ray(address: str | None, engines: int):
     """Connect to the cluster at ``address``, or start a small local one sized for ``engines`` engines (CPU slots:
     at least one per engine); no dashboard, actors' logs not copied to this terminal. Returns the ray module and
     whether this process started the cluster (then it shuts it down)."""
+    import warnings
+
     import ray
 
     if ray.is_initialized():
         return ray, False
+    # Ray 2.55 warns that a later Ray will stop hiding GPUs from actors that ask for none; engines ask for GPUs
+    # wherever the cluster has any, so either way is the same here
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
                   configure_logging=True)
     if address is None:  # "local": a new Ray, never one another job started on this machine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -29,6 +30,20 @@ QUESTIONS = ["What is 1+1?", "What is 2+3?", "Find 033.", "What is 7 times 6?", 
 PROBLEMS = [Problem(f"p{i}", q, "2") for i, q in enumerate(QUESTIONS)]
 
 
+@contextmanager
+def one_thread():
+    """In-process generation on one torch thread, as each engine's actor runs (Ray sets OMP_NUM_THREADS=1 there):
+    on a busy 2-core machine two threads wait on each other for most of the time."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def stare(*args):
     return subprocess.run([sys.executable, "-m", "stare.cli.main", *args], capture_output=True, text=True)
 
@@ -46,6 +61,13 @@ def reference(model) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with one_thread():
+        return generated(tok, lm)
+
+
+def generated(tok, lm) -> dict:
+    import torch
+
     want = {}
     for i, p in enumerate(PROBLEMS):
         ids = tok(f"{p.problem}\n{PROTO.instruction}", return_tensors="pt", add_special_tokens=False)
@@ -54,10 +76,20 @@ def reference(model) -> dict:
             out = lm.generate(**ids, do_sample=True, num_return_sequences=K, max_new_tokens=MAX_TOKENS,
                               temperature=1.0, top_p=0.7, top_k=0, pad_token_id=tok.pad_token_id)
         for j, row in enumerate(out[:, ids["input_ids"].shape[1]:].tolist()):
-            cut = [t for t in row[: next((n for n, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)),
-                                          len(row))]]
+            end = next((n for n, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)), len(row))
+            cut = row[:end]  # up to the EOS (or the padding after it), not counted
             want[(p.id, j)] = (tok.decode(cut, skip_special_tokens=True), len(cut))
     return want
+
+
+@pytest.fixture(scope="module")
+def one_engine(model, tmp_path_factory):
+    """The evaluation on one engine, in this process (no Ray): its output folder."""
+    out = tmp_path_factory.mktemp("one-engine")
+    with one_thread():
+        run_eval(PROBLEMS, HFBackend(str(model)), PROTO, out, bench="aime25", model=str(model), seed=SEED,
+                 resume=False)
+    return out
 
 
 def drawn(path) -> dict:
@@ -81,20 +113,20 @@ def factory(model):
     return partial(build_engine, "hf", str(model), 1, SEED)
 
 
-def test_two_engines_write_the_samples_of_one(model, reference, tmp_path):
-    """The CLI: --engines 2 (its own local Ray) against one engine: the same samples, the reference ones."""
+def test_two_engines_write_the_samples_of_one(model, reference, one_engine, tmp_path):
+    """The CLI with --engines 2 (its own local Ray) against one engine in this process: the same samples, the
+    reference ones, and the same summary but for ``engines``."""
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer}) + "\n"
                             for p in PROBLEMS))
-    args = ["eval", "--bench", "aime25", "--model", str(model), "--data-file", str(data), "--k", str(K),
-            "--max-tokens", str(MAX_TOKENS), "--backend", "hf", "--seed", str(SEED)]
-    one, two = stare(*args, "--out", str(tmp_path / "one")), stare(*args, "--out", str(tmp_path / "two"),
-                                                                   "--engines", "2")
-    assert one.returncode == 0, one.stderr[-3000:]
+    two = stare("eval", "--bench", "aime25", "--model", str(model), "--data-file", str(data), "--k", str(K),
+                "--max-tokens", str(MAX_TOKENS), "--backend", "hf", "--seed", str(SEED), "--out", str(tmp_path / "two"),
+                "--engines", "2")
     assert two.returncode == 0, two.stderr[-3000:]
-    assert drawn(tmp_path / "one" / "samples.jsonl") == reference
+    assert "warning" not in two.stderr.lower(), two.stderr  # no Ray start-up noise on the terminal
+    assert drawn(one_engine / "samples.jsonl") == reference
     assert drawn(tmp_path / "two" / "samples.jsonl") == reference
-    s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one_engine, tmp_path / "two"))
     assert (s1.pop("engines"), s2.pop("engines")) == (1, 2)
     assert s1 == s2
     assert "backend hf x 2 engines" in (tmp_path / "two" / "summary.md").read_text()
@@ -152,7 +184,9 @@ def test_losing_every_engine_stops_with_one_line_and_resume_finishes(cluster, mo
     written = drawn(out / "samples.jsonl")
     assert 0 < len(written) < len(reference) and all(reference[key] == value for key, value in written.items())
     before = (out / "samples.jsonl").read_text().splitlines()
-    run_eval(PROBLEMS, HFBackend(str(model)), PROTO, out, bench="aime25", model=str(model), seed=SEED, resume=True)
+    with one_thread():
+        run_eval(PROBLEMS, HFBackend(str(model)), PROTO, out, bench="aime25", model=str(model), seed=SEED,
+                 resume=True)
     assert (out / "samples.jsonl").read_text().splitlines()[: len(before)] == before
     assert drawn(out / "samples.jsonl") == reference
 
