@@ -174,8 +174,8 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     try:
         if backend is not None:
             check_backend(backend)
-        check_harness(harness, bench, resume=resume, tools=tools)
         check_engines(engines, ray_address, harness)
+        check_harness(harness, bench, resume=resume, tools=tools)
         if tools is not None:
             from .agent.loop import ToolConfig
 
