@@ -207,3 +207,24 @@ def test_bad_engine_flags_are_one_line(tmp_path, extra, message):
     res = stare("eval", "--bench", "aime25", "--model", "x/y", "--out", str(tmp_path / "o"), *extra)
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr
+
+
+NO_RAY = """
+import sys
+from stare.cli.main import app
+try:
+    app(sys.argv[1:], standalone_mode=False)
+finally:
+    print("ray imported" if "ray" in sys.modules else "ray not imported")
+"""
+
+
+def test_one_engine_does_not_import_ray(model, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"id": "p0", "problem": "What is 1+1?", "answer": "2"}) + "\n")
+    res = subprocess.run([sys.executable, "-c", NO_RAY, "eval", "--bench", "aime25", "--model", str(model),
+                          "--data-file", str(data), "--k", "1", "--max-tokens", "2", "--backend", "hf", "--out",
+                          str(tmp_path / "o")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.splitlines()[-1] == "ray not imported"
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["engines"] == 1
