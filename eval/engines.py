@@ -90,14 +90,15 @@ class EnginePool:
         self.ray, self._own_ray = start_ray(ray_address, engines)
         self.warn = warn or _stderr_warning
         self.engines = engines
+        self.actors: list = []  # filled as they are created, so close() ends them even when one fails to start
         try:
-            self.actors = self._start(factory, engines, gpus)
+            self._start(factory, engines, gpus)
         except BaseException:
             self.close()
             raise
         self.alive = set(range(engines))
 
-    def _start(self, factory, engines: int, gpus: int) -> list:
+    def _start(self, factory, engines: int, gpus: int) -> None:
         ray = self.ray
         have = ray.cluster_resources()
         if have.get("GPU", 0) > 0:
@@ -111,18 +112,17 @@ class EnginePool:
             raise EngineError(f"--engines {engines} needs {need} {unit}s in the Ray cluster{per}; it has "
                               f"{have.get(unit, 0):g}")
         remote = ray.remote(Engine)
-        actors = [remote.options(**options).remote(factory) for _ in range(engines)]
+        self.actors = [remote.options(**options).remote(factory) for _ in range(engines)]
         infos = []
-        for e, actor in enumerate(actors):
+        for e, actor in enumerate(self.actors):
             try:
                 infos.append(ray.get(actor.info.remote()))
-            except Exception as exc:  # the backend failed to load in the actor (its error, first line)
+            except Exception as exc:  # the backend failed to load in the actor (the last line of its error)
                 raise EngineError(f"engine {e + 1} of {engines} did not start: {one_line(exc)}") from None
         self.name = infos[0]["name"]
         self.context_length = infos[0]["context_length"]
         self.tools_info = infos[0]["tools_info"]
         self.pids = [i["pid"] for i in infos]
-        return actors
 
     def _ask(self, method: str, *args):
         """One call on a live engine (the next one when an engine is found dead)."""
@@ -191,7 +191,7 @@ class EnginePool:
 
     def close(self) -> None:
         """End the actors, and the local Ray this pool started."""
-        for actor in getattr(self, "actors", []):
+        for actor in self.actors:
             try:
                 self.ray.kill(actor)
             except Exception:  # already dead
