@@ -2,9 +2,10 @@
 
 One problem at a time: its k samples are generated in one call (seeded from ``seed``, the problem's position
 and k, see ``problem_seed``, so a redone problem gives the same samples), scored with math-verify, and appended
-to ``samples.jsonl`` before the next problem starts. ``--resume`` keeps every problem whose k samples are all
-on disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the
-problem in flight and ends with the same numbers.
+to ``samples.jsonl`` before the next problem starts; several engines (``stare.eval.engines``) draw several at once,
+with the same seeds, each appended as it completes. ``--resume`` keeps every problem whose k samples are all on
+disk, drops a partly written one, and continues: an interrupted run (even kill -9) loses at most the problems in
+flight and ends with the same numbers.
 
 Backends share one interface (``name``, ``prompt_text(problem, instruction)``, ``generate(prompt, n, proto, seed)``
 -> ``[(text, num_tokens)] * n``): ``HFBackend`` (transformers ``generate``, CPU or one GPU) and ``VLLMBackend``
@@ -451,6 +452,31 @@ def not_attempted_records(problem: Problem, k: int, err: PromptTooLong) -> list[
              "context_length": err.context_length} for j in range(k)]
 
 
+def one_by_one(backend, todo: list, proto: Protocol, seed: int):
+    """Yield ``(index, samples)`` for each ``(index, problem)`` of ``todo`` in turn, on one backend: what
+    ``generate`` returns, or the ``PromptTooLong`` it raised. Problem ``index`` draws from ``problem_seed(seed,
+    index, k)``."""
+    for i, p in todo:
+        prompt = backend.prompt_text(p.problem, proto.instruction)
+        try:
+            yield i, backend.generate(prompt, proto.k, proto, problem_seed(seed, i, proto.k))
+        except PromptTooLong as err:
+            yield i, err
+
+
+def scored_records(p: Problem, generated: list, score_timeout: float) -> list[dict]:
+    """The samples.jsonl records of one problem's generated samples, scored against its answer."""
+    # a tool-use backend (stare.cli.agent.multiturn) adds a dict per sample: turns, tool calls, and the final
+    # answer turn, which alone is scored (a boxed value printed by a tool is not the model's answer); the HF and
+    # vLLM backends add {"truncated": ...}
+    extras = [dict(g[2]) if len(g) > 2 else {} for g in generated]
+    scored = [(x.pop("answer_text") or "") if "answer_text" in x else g[0] for g, x in zip(generated, extras)]
+    correct = score_many([(text, p.answer) for text in scored], timeout=score_timeout)
+    return [{"problem_id": p.id, "sample_idx": j, "response": g[0], "extracted": extract_boxed(text),
+             "correct": bool(ok), "num_tokens": g[1], **x}
+            for j, (g, text, x, ok) in enumerate(zip(generated, scored, extras, correct))]
+
+
 def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, bench: str, model: str, seed: int,
              resume: bool, progress=None, score_timeout: float = 5.0, warn=None, data: str | None = None,
              tools: str | None = None) -> dict:
@@ -473,29 +499,21 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
         samples_path.unlink()
     results: dict[str, list[dict]] = dict(done)
     check_context([p for p in problems if p.id not in results], backend, proto, warn)
-    with open(samples_path, "a") as f:
-        for i, p in enumerate(problems):
+    if progress:
+        for p in problems:
             if p.id in results:
-                if progress:
-                    progress(proto.k)
-                continue
-            prompt = backend.prompt_text(p.problem, proto.instruction)
-            try:
-                generated = backend.generate(prompt, proto.k, proto, problem_seed(seed, i, proto.k))
-            except PromptTooLong as err:
-                warn(f"problem {p.id}: {err}, so it is not attempted (its {proto.k} samples score 0)")
-                recs = not_attempted_records(p, proto.k, err)
+                progress(proto.k)
+    todo = [(i, p) for i, p in enumerate(problems) if p.id not in results]
+    # several engines (stare.eval.engines.EnginePool) draw problems at once and hand them back as each completes
+    stream = backend.imap(todo, proto, seed) if hasattr(backend, "imap") else one_by_one(backend, todo, proto, seed)
+    with open(samples_path, "a") as f:
+        for i, generated in stream:
+            p = problems[i]
+            if isinstance(generated, PromptTooLong):
+                warn(f"problem {p.id}: {generated}, so it is not attempted (its {proto.k} samples score 0)")
+                recs = not_attempted_records(p, proto.k, generated)
             else:
-                # a tool-use backend (stare.cli.agent.multiturn) adds a dict per sample: turns, tool calls, and the
-                # final answer turn, which alone is scored (a boxed value printed by a tool is not the model's
-                # answer); the HF and vLLM backends add {"truncated": ...}
-                extras = [dict(g[2]) if len(g) > 2 else {} for g in generated]
-                scored = [(x.pop("answer_text") or "") if "answer_text" in x else g[0]
-                          for g, x in zip(generated, extras)]
-                correct = score_many([(text, p.answer) for text in scored], timeout=score_timeout)
-                recs = [{"problem_id": p.id, "sample_idx": j, "response": g[0], "extracted": extract_boxed(text),
-                         "correct": bool(ok), "num_tokens": g[1], **x}
-                        for j, (g, text, x, ok) in enumerate(zip(generated, scored, extras, correct))]
+                recs = scored_records(p, generated, score_timeout)
             f.write("".join(json.dumps(r) + "\n" for r in recs))
             f.flush()
             os.fsync(f.fileno())
@@ -505,7 +523,7 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
     # of the samples generated: a problem not attempted (its prompt longer than the context) has no response to judge
     warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, []) if not r.get("not_attempted")])
     return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out,
-                     tools=getattr(backend, "tools_info", None))
+                     tools=getattr(backend, "tools_info", None), engines=getattr(backend, "engines", 1))
 
 
 def attempted(ordered: list[list[dict]]) -> list[dict]:
@@ -532,7 +550,8 @@ def outcome_md(summary: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path, tools=None) -> dict:
+def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path, tools=None,
+              engines: int = 1) -> dict:
     ordered = [results[p.id] for p in problems]
     correct = [[r["correct"] for r in recs] for recs in ordered]
     extracted = [[r["extracted"] for r in recs] for recs in ordered]
@@ -545,6 +564,7 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
         **sample_values([r["response"] for r in tried], [r["num_tokens"] for r in tried]),
         **outcome_fields(problems, ordered),
         "versions": versions(),
+        "engines": engines,  # how many engines drew the samples (the last run's, after --resume); not the numbers
     })
     extra_rows = outcome_md(summary)
     if tools is not None:  # --tools: the tool settings, the mean turns / tool calls per sample, the sandbox
@@ -561,6 +581,7 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
                        ("sandbox isolation", summary["sandbox_isolation"] or "(not recorded)")]
     write_summary(out, summary, title=f"{bench}: {model}",
                   setup=f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
-                        f"max tokens {proto.max_tokens}; backend {backend}; seed {seed}; {len(problems)} problems",
+                        f"max tokens {proto.max_tokens}; backend {backend}"
+                        + (f" x {engines} engines" if engines > 1 else "") + f"; seed {seed}; {len(problems)} problems",
                   extra_rows=extra_rows)
     return summary

@@ -99,6 +99,39 @@ def check_tool_isolation(tool_config) -> str:
         raise CliError(str(exc)) from None
 
 
+def check_engines(engines: int, ray_address: str | None, harness: str) -> None:
+    """``--engines`` is a count >= 1 and ``--ray-address`` a non-empty address; both need the stare harness, and
+    Ray when either asks for it."""
+    if not isinstance(engines, int) or engines < 1:
+        raise ValueError(f"--engines {engines}: expected a number of engines >= 1 (1: this process, no Ray)")
+    if ray_address is not None and not ray_address.strip():
+        raise ValueError("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start "
+                         "a local Ray)")
+    if engines == 1 and ray_address is None:
+        return
+    flag = f"--engines {engines}" if engines > 1 else f"--ray-address {ray_address}"
+    if harness != "stare":
+        raise ValueError(f"{flag} works with --harness stare only; lm-eval runs its own single model")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise CliError(f"{flag} runs the engines as Ray actors, and Ray is not installed here "
+                       "(pip install 'ray[default]==2.55.0')", code=1)
+
+
+def build_engine(backend: str, model: str, tp: int, seed: int, tools: str | None = None, tool_config=None):
+    """The backend ``stare eval`` samples with (wrapped for tool use with ``tools``); with several engines each Ray
+    actor calls it in its own process."""
+    from stare.eval.harness import make_backend
+
+    engine = make_backend(backend, model, tp, seed)
+    if tools is not None:
+        from .agent.multiturn import ToolUseBackend
+
+        engine = ToolUseBackend(engine, tool_config, tools)
+    return engine
+
+
 @dataclass
 class EvalPlan:
     bench: str
@@ -116,6 +149,8 @@ class EvalPlan:
     problems: list | None  # the problems (None: lm-eval reads the hub itself)
     tools: str | None
     tool_config: object | None  # stare.cli.agent.loop.ToolConfig with --tools
+    engines: int = 1  # --engines: Ray actors, each with its own backend (stare.eval.engines)
+    ray_address: str | None = None  # --ray-address: the cluster they run on (None: a local Ray, when engines > 1)
 
     @property
     def how(self) -> str:
@@ -125,7 +160,7 @@ class EvalPlan:
 def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str, k: int | None,
               temperature: float | None, top_p: float | None, max_tokens: int | None, backend: str | None,
               harness: str, tp: int, data_file, limit: int | None, seed: int, resume: bool,
-              tools: str | None) -> EvalPlan:
+              tools: str | None, engines: int = 1, ray_address: str | None = None) -> EvalPlan:
     """Every check ``stare eval`` makes before a model is loaded or anything is written, in this order."""
     from stare.eval import BENCHES, load_bench
     from stare.eval.data import local_data_file
@@ -139,6 +174,7 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     try:
         if backend is not None:
             check_backend(backend)
+        check_engines(engines, ray_address, harness)
         check_harness(harness, bench, resume=resume, tools=tools)
         if tools is not None:
             from .agent.loop import ToolConfig
@@ -174,13 +210,11 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     if tool_config is not None:  # the sandbox's isolation here (namespaces unless asked otherwise), before loading
         check_tool_isolation(tool_config)
     return EvalPlan(bench, model, out_dir, proto, backend, harness, tp, seed, resume, limit, local, data, problems,
-                    tools, tool_config)
+                    tools, tool_config, engines, ray_address)
 
 
 def run_eval_plan(plan: EvalPlan, console) -> dict:
     """Load the model and evaluate (a progress bar for the stare harness); returns the summary (summary.json)."""
-    from stare.eval.harness import EvalRefused, make_backend, run_eval
-
     from .quiet import quiet
 
     quiet()
@@ -194,16 +228,22 @@ def run_eval_plan(plan: EvalPlan, console) -> dict:
                                data_file=plan.local, limit=plan.limit, seed=plan.seed)
         except LmEvalError as exc:
             raise CliError(str(exc)) from None
-    engine = make_backend(plan.backend, plan.model, plan.tp, plan.seed)
-    if plan.tools is not None:
-        from .agent.multiturn import ToolUseBackend
+    if plan.engines > 1 or plan.ray_address is not None:
+        return run_on_engines(plan, console)
+    try:
+        engine = build_engine(plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config)
+    except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
+        raise CliError(str(exc)) from None
+    return run_with_progress(plan, engine, console)
 
-        try:
-            engine = ToolUseBackend(engine, plan.tool_config, plan.tools)
-        except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
-            raise CliError(str(exc)) from None
+
+def run_with_progress(plan: EvalPlan, engine, console) -> dict:
+    """The stare harness on ``engine`` (one backend, or several engines) under a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from stare.eval.harness import EvalRefused, run_eval
+
+    proto = plan.proto
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(f"{plan.bench} x {proto.k} samples", total=len(plan.problems) * proto.k)
@@ -214,3 +254,22 @@ def run_eval_plan(plan: EvalPlan, console) -> dict:
         except EvalRefused as exc:
             progress.stop()
             errors.fail(str(exc))  # printed here, under the stopped bar, as the bar closes
+
+
+def run_on_engines(plan: EvalPlan, console) -> dict:
+    """``--engines N`` / ``--ray-address``: the stare harness on N Ray actors (stare.eval.engines); a lost engine's
+    problems go to the others (one warning line), and when none is left the run stops with one line (exit 1), the
+    problems done kept in samples.jsonl for ``--resume``."""
+    from functools import partial
+
+    from stare.eval.engines import EngineError, EnginePool
+
+    factory = partial(build_engine, plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config)
+    gpus = plan.tp if plan.backend == "vllm" else 1  # per engine, where the cluster has GPUs
+    try:
+        with EnginePool(factory, plan.engines, gpus=gpus, ray_address=plan.ray_address) as pool:
+            return run_with_progress(plan, pool, console)
+    except EngineError as exc:
+        done = plan.out / "samples.jsonl"
+        tail = f"; the problems finished are in {done}: continue with --resume" if done.exists() else ""
+        raise CliError(f"{exc}{tail}", code=1) from None

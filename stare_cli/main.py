@@ -222,7 +222,13 @@ def eval_(
                                                                   "with a GPU, else hf)."),
     harness: str = typer.Option("stare", "--harness", help="stare (this project's harness) or lm-eval (the "
                                                            "shipped lm-eval tasks, aime24 and aime25)."),
-    tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm): GPUs per engine."),
+    engines: int = typer.Option(1, "--engines", help="Engines drawing problems at once, each a Ray actor on --tp "
+                                                     "GPUs (8 GPUs: --engines 8 --tp 1 or --engines 4 --tp 2). The "
+                                                     "samples are the same for any count; 1 runs here without Ray."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Run the engines on this Ray cluster "
+                                                                          "(HOST:PORT, ray://HOST:PORT or auto). "
+                                                                          "Default: a local Ray when --engines > 1."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL/parquet with problem and "
                                                                       "answer fields, or 'hub' for the Hugging Face "
                                                                       "hub (default: $STARE_DATA_DIR, else the copy "
@@ -256,14 +262,15 @@ def eval_(
 
         plans = plan_sweep(out=out, spec=checkpoints, bench=bench, model=model, harness=harness, resume=resume,
                            protocol=protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                           backend=backend, tp=tp, data_file=data_file, limit=limit, seed=seed, tools=tools)
+                           backend=backend, tp=tp, data_file=data_file, limit=limit, seed=seed, tools=tools,
+                           engines=engines, ray_address=ray_address)
         for p, summary in run_sweep(plans, console):
             console.print(f"{bench} step {p.step}: {scores_line(summary)}  -> {escape(str(p.plan.out))}/summary.md")
         return
 
     plan = plan_eval(bench=bench, model=model, out=out, protocol=protocol, k=k, temperature=temperature, top_p=top_p,
                      max_tokens=max_tokens, backend=backend, harness=harness, tp=tp, data_file=data_file, limit=limit,
-                     seed=seed, resume=resume, tools=tools)
+                     seed=seed, resume=resume, tools=tools, engines=engines, ray_address=ray_address)
     summary = run_eval_plan(plan, console)
     console.print(f"{bench} ({summary['n_problems']} problems, {plan.how}): {scores_line(summary)}  -> "
                   f"{escape(str(plan.out))}/summary.md")

@@ -140,7 +140,8 @@ def option_cases() -> list[tuple[str, list[str], str | None]]:
                         "--backend": ["nope", "", UNICODE], "--harness": ["nope", "", UNICODE],
                         "--tp": ["0", "x"], "--data-file": [FOLDER, MISSING, FILE, ""],
                         "--limit": ["0", "-1", "x"], "--seed": ["x", "1.5", ""], "--out": out_paths,
-                        "--tools": ["nope", "", UNICODE]}),
+                        "--tools": ["nope", "", UNICODE], "--engines": ["0", "-1", "x", "", "1.5"],
+                        "--ray-address": [""]}),
         "compare": (COMPARE, {"--out": out_paths}),
     }
     cases = []
@@ -154,6 +155,7 @@ def option_cases() -> list[tuple[str, list[str], str | None]]:
         ("eval greedy with k 2", [*EVAL, "--temperature", "0", "--k", "2"], "--k"),
         ("eval no --model, --out not a run", ["eval", "--bench", "aime24", "--out", FOLDER], "--model"),
         ("eval --resume with lm-eval", [*EVAL, "--harness", "lm-eval", "--resume"], "--resume"),
+        ("eval --engines 2 with lm-eval", [*EVAL, "--harness", "lm-eval", "--engines", "2"], "--engines 2"),
         ("train --resume with nothing to resume", [*TRAIN, "--out", FOLDER, "--resume"], FOLDER),
         ("compare a missing folder", ["compare", MISSING], MISSING),
         ("compare a unicode name", ["compare", UNICODE], UNICODE),

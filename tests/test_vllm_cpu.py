@@ -126,6 +126,13 @@ def _resumed(model_dir, work, first) -> tuple[Path, list]:
     return out, kept
 
 
+def _two_engines(model_dir, work) -> Path:
+    """The first run's evaluation again with ``--engines 2``: two engines in Ray actors (a local Ray, CPU slots)."""
+    out = work / "engines2"
+    run(eval_args(model_dir, work, out, "--engines", "2"), cwd=work)
+    return out
+
+
 # a request this model often answers with a python block and then ends its turn (so the tool runs)
 TOOL_PROBLEM = {"id": "t", "answer": "42", "problem": "Write a python code block that prints 7*6. Do not explain it."}
 TOOL_K, TOOL_MAX_TOKENS = 6, 128
@@ -148,19 +155,20 @@ def _probe(model_dir, work) -> dict:
 
 @pytest.fixture(scope="module")
 def engine_runs(model_dir, work) -> dict:
-    """The module's four engine processes, two at a time (most of an engine's start is one busy core): the first
-    eval and then its resume in one lane, the tool-use eval and then the probe in the other."""
+    """The module's six engine processes, about two at a time (most of an engine's start is one busy core): the
+    first eval, its resume, then the same eval on two engines in one lane, the tool-use eval and then the probe in
+    the other."""
     def first_then_resumed():
         first = _first(model_dir, work)
-        return first, _resumed(model_dir, work, first)
+        return first, (_resumed(model_dir, work, first), _two_engines(model_dir, work))
 
     def tools_then_probe():
         return _tools(model_dir, work), _probe(model_dir, work)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         lanes = pool.submit(first_then_resumed), pool.submit(tools_then_probe)
-        (first, resumed), (tools, probe) = (lane.result() for lane in lanes)
-    return {"first": first, "resumed": resumed, "tools": tools, "probe": probe}
+        (first, (resumed, engines2)), (tools, probe) = (lane.result() for lane in lanes)
+    return {"first": first, "resumed": resumed, "engines2": engines2, "tools": tools, "probe": probe}
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +256,15 @@ def test_resume_keeps_done_problems_and_redoes_the_rest_identically(first_run, r
     summary = json.loads((out / "summary.json").read_text())
     flat = [r["correct"] for r in resumed]
     assert summary["avg_at_k"] == pytest.approx(sum(flat) / len(flat))
+
+
+def test_two_engines_draw_the_samples_of_one(first_run, engine_runs):
+    """--engines 2: the real engine in two Ray actors writes the first run's samples (in completion order)."""
+    fields = ("problem_id", "sample_idx", "response", "num_tokens", "extracted", "correct", "truncated")
+    two = sorted(tuple(r[f] for f in fields) for r in read_samples(engine_runs["engines2"]))
+    assert two == sorted(tuple(r[f] for f in fields) for r in read_samples(first_run))
+    summary = json.loads((engine_runs["engines2"] / "summary.json").read_text())
+    assert summary["engines"] == 2 and summary["backend"] == "vllm"
 
 
 # ---------------------------------------------------------------------------------------------------------------
