@@ -141,7 +141,7 @@ def option_cases() -> list[tuple[str, list[str], str | None]]:
                         "--tp": ["0", "x"], "--data-file": [FOLDER, MISSING, FILE, ""],
                         "--limit": ["0", "-1", "x"], "--seed": ["x", "1.5", ""], "--out": out_paths,
                         "--tools": ["nope", "", UNICODE], "--engines": ["0", "-1", "x", "", "1.5"],
-                        "--ray-address": [""]}),
+                        "--ray-address": [""], "--checkpoints": ["nope", "", "every:0", "every:x", "every:-2", UNICODE]}),
         "compare": (COMPARE, {"--out": out_paths}),
     }
     cases = []
