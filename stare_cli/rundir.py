@@ -144,7 +144,7 @@ def final_model(run_dir: Path) -> Path | None:
 
 KEPT = "checkpoints"  # a local run's checkpoints/step-<S>/ (local/trainer.py KEPT, setting keep_checkpoint_every)
 OPENRLHF_CKPT = "ckpt"  # an OpenRLHF run's --ckpt.path (argv.build_launch); with --ckpt.save_hf it holds
-# global_step<S>_hf/ per save (openrlhf/trainer/ray/ppo_actor.py save_checkpoint, 0.11.2)
+# global_step<S>_hf/ per save (openrlhf/trainer/ray/ppo_actor.py save_checkpoint, in the pinned OpenRLHF)
 _LOCAL_STEP = re.compile(r"step-(\d+)")
 _OPENRLHF_STEP = re.compile(r"global_step(\d+)_hf")
 

@@ -93,7 +93,7 @@ def _config(path: Path | None) -> dict:
     return data
 
 
-# openrlhf/trainer/ppo_trainer.py compute_eval_metrics (0.11.2): eval_{ds}_pass1, eval_{ds}_pass{n} (n > 1),
+# openrlhf/trainer/ppo_trainer.py compute_eval_metrics (the pinned OpenRLHF): eval_{ds}_pass1, eval_{ds}_pass{n} (n > 1),
 # written by logging_utils.py TensorboardLogger.log_eval under eval/
 _EVAL_PASS = re.compile(r"eval/eval_(.+)_pass(\d+)")
 

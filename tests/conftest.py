@@ -51,8 +51,8 @@ def pytest_configure(config):
 
 
 # Modules that start real engines (OpenRLHF's training loop, the vLLM CPU engine) and pace their own processes two
-# at a time: under pytest-xdist they share one worker, which starts them first, while the other worker runs the
-# rest of the suite (scripts/test.sh: -n 2 --dist loadgroup).
+# at a time: the longest modules by far, so under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup
+# --no-loadscope-reorder) they go first, one to each worker, and the other modules fill in behind them.
 REAL_ENGINE_TESTS = ("test_openrlhf_e2e.py", "test_vllm_cpu.py")
 
 
@@ -61,10 +61,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ALGORITHM_TESTS and item.get_closest_marker("cpu_only") is None:
             item.add_marker(pytest.mark.cuda)
-        group = "real-engines" if item.path.name in REAL_ENGINE_TESTS else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
-    # the longest group first, so the suite's wall time is about that group's, not its sum with the rest
-    items.sort(key=lambda item: item.path.name not in REAL_ENGINE_TESTS)
+        item.add_marker(pytest.mark.xdist_group(item.path.stem))  # a module's fixtures are built once
+    # the longest modules first (xdist deals groups in collection order with --no-loadscope-reorder), so the
+    # suite's wall time is about the longest module's, not its sum with whatever was dealt to its worker first
+    order = {name: i for i, name in enumerate(REAL_ENGINE_TESTS)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))
 
 
 def pytest_report_header(config):
