@@ -51,8 +51,9 @@ def pytest_configure(config):
 
 
 # Modules that start real engines (OpenRLHF's training loop, the vLLM CPU engine) and pace their own processes two
-# at a time: the longest modules by far, so under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup
-# --no-loadscope-reorder) they go first, one to each worker, and the other modules fill in behind them.
+# at a time: under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup --no-loadscope-reorder) they share one
+# worker, which starts them first, while the other worker runs the rest of the suite. (Giving each its own worker
+# ran four engine processes at once on 2 cores: slower, and the vLLM module's engines failed.)
 REAL_ENGINE_TESTS = ("test_openrlhf_e2e.py", "test_vllm_cpu.py")
 
 
@@ -61,11 +62,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ALGORITHM_TESTS and item.get_closest_marker("cpu_only") is None:
             item.add_marker(pytest.mark.cuda)
-        item.add_marker(pytest.mark.xdist_group(item.path.stem))  # a module's fixtures are built once
-    # the longest modules first (xdist deals groups in collection order with --no-loadscope-reorder), so the
-    # suite's wall time is about the longest module's, not its sum with whatever was dealt to its worker first
-    order = {name: i for i, name in enumerate(REAL_ENGINE_TESTS)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))
+        group = "real-engines" if item.path.name in REAL_ENGINE_TESTS else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))  # a module's fixtures are built once
+    # the longest group first (xdist deals groups in collection order with --no-loadscope-reorder; by default it
+    # deals the groups with the most tests first), so the suite's wall time is about that group's, not its sum
+    # with whatever its worker was dealt before it
+    items.sort(key=lambda item: item.path.name not in REAL_ENGINE_TESTS)
 
 
 def pytest_report_header(config):
