@@ -65,6 +65,22 @@ def test_the_package_writes_the_openrlhf_version_once():
     assert not {name: n for name, n in counts.items() if n}
 
 
+def test_install_hints_in_messages_pin_what_pyproject_pins():
+    """Error messages that tell a user what to ``pip install`` (Ray for ``--engines``, vLLM for ``--backend vllm``,
+    lm-eval for ``--harness lm-eval``) name the version pyproject pins: an upgrade that forgets one would send users
+    to a release the code was not tested with. Every ``NAME==VERSION`` in the package's Python files is checked."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = pins(project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra])
+    files = [p for folder in ("stare_cli", "algorithms", "eval") for p in sorted((REPO / folder).rglob("*.py"))]
+    hint = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([0-9][0-9A-Za-z.+]*[0-9A-Za-z])")  # ends at quotes, ')'
+    found = {(str(p.relative_to(REPO)), m.group(1).lower(), m.group(2))
+             for p in files for m in hint.finditer(p.read_text())}
+    names = {name for _, name, _ in found}
+    assert {"ray", "vllm", "lm-eval"} <= names, f"the install hints this test was written for are gone: {names}"
+    wrong = {(f, name): (v, wanted.get(name)) for f, name, v in found if wanted.get(name) != v}
+    assert not wrong, f"(file, package): (version in the message, pyproject's pin): {wrong}"
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
