@@ -34,6 +34,27 @@ def colour(algo: str | None, palette) -> tuple:
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms of one algorithm (other settings) share its colour, not its line style
 
+def _arm_styles(groups, palette) -> list[tuple]:
+    """(colour, line style) per arm group: the algorithm's colour; a second arm of one algorithm (other settings)
+    gets the next line style."""
+    styles, used = [], {}
+    for group in groups:
+        c = colour(group[0].algo, palette)
+        styles.append((c, LINESTYLES[used.get(c, 0) % len(LINESTYLES)]))
+        used[c] = used.get(c, 0) + 1
+    return styles
+
+
+def _label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, a small title, a light grid, and a legend when something was drawn with a label."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
 CURVES = (("stare/entropy", "mean token entropy", "entropy.png"),
           ("reward_mean", "mean reward", "reward.png"),
           ("response_length", "mean response length (tokens)", "response_length.png"))
@@ -55,12 +76,7 @@ def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_arms(runs)
-    palette = matplotlib.colormaps["tab10"].colors
-    styles, used = [], {}
-    for group in groups:  # the colour of the algorithm; a second arm of it gets the next line style
-        c = colour(group[0].algo, palette)
-        styles.append((c, LINESTYLES[used.get(c, 0) % len(LINESTYLES)]))
-        used[c] = used.get(c, 0) + 1
+    styles = _arm_styles(groups, matplotlib.colormaps["tab10"].colors)
     arms = list(zip(arm_labels(groups), groups, styles))
     band = reference_band(runs)
     preset = common(r.config.get("preset") for r in runs)
@@ -85,12 +101,8 @@ def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
                     label=name if len(per_seed) == 1 else f"{name} ({len(per_seed)} seeds)")
             if len(per_seed) > 1:
                 ax.fill_between(steps, [min(v) for v in at], [max(v) for v in at], color=col, alpha=0.18, lw=0)
-        ax.set_xlabel("RL step")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label[0].upper() + label[1:]} ({preset}, {task}; trailing {SMOOTH}-step mean)", fontsize=10)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        _label_axes(ax, "RL step", label,
+                    f"{label[0].upper() + label[1:]} ({preset}, {task}; trailing {SMOOTH}-step mean)")
         fig.tight_layout()
         path = out_dir / filename
         fig.savefig(path)
@@ -118,12 +130,7 @@ def plot_accuracy(out_dir, runs: list[Run]) -> Path | None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_arms(runs)
-    palette = matplotlib.colormaps["tab10"].colors
-    styles, used = [], {}
-    for group in groups:
-        c = colour(group[0].algo, palette)
-        styles.append((c, LINESTYLES[used.get(c, 0) % len(LINESTYLES)]))
-        used[c] = used.get(c, 0) + 1
+    styles = _arm_styles(groups, matplotlib.colormaps["tab10"].colors)
     fig = Figure(figsize=(7, 3.6 * len(keys)), dpi=110)
     FigureCanvasAgg(fig)
     for i, key in enumerate(keys):
@@ -145,12 +152,7 @@ def plot_accuracy(out_dir, runs: list[Run]) -> Path | None:
                     label=name if len(per_seed) == 1 else f"{name} ({len(per_seed)} seeds)")
             ax.fill_between(steps, low, high, color=col, alpha=0.15, lw=0)
         k_text = f"avg@{ks.pop()}" if len(ks) == 1 else "avg@k"
-        ax.set_xlabel("training step")
-        ax.set_ylabel(k_text)
-        ax.set_title(f"{label}: {k_text} with its 95% interval", fontsize=10)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        _label_axes(ax, "training step", k_text, f"{label}: {k_text} with its 95% interval")
     fig.tight_layout()
     path = out_dir / ACCURACY_PLOT
     fig.savefig(path)
