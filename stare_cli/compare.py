@@ -62,8 +62,10 @@ def _evaluated_run(summary: dict, roots: dict[Path, int]) -> int | None:
     return None
 
 
-def compare(paths: list[Path], out: Path) -> list[dict]:
-    """Write the comparison of ``paths`` in ``out``; returns the table's rows (arms, then standalone evals)."""
+def compare(paths: list[Path], out: Path, baseline: str | None = None) -> list[dict]:
+    """Write the comparison of ``paths`` in ``out``; returns the table's rows (arms, then standalone evals).
+    ``baseline``: the arm the seed tests compare against (an arm's label, its folder or an algorithm; default
+    dapo, when there is one); a ``baseline`` that names no arm is a ValueError before anything is written."""
     run_dirs, eval_dirs = collect(paths)
     runs, roots = [], {}
     for d in dict.fromkeys(run_dirs):  # a folder named twice is one run
@@ -84,7 +86,8 @@ def compare(paths: list[Path], out: Path) -> list[dict]:
             standalone.append(summary)
         else:  # an evaluation of a run's final model joins that run's row
             runs[owner] = replace(runs[owner], evals={**runs[owner].evals, summary["bench"]: summary})
-    summary = write_comparison(out, runs, evals=standalone)
+    summary = write_comparison(out, runs, evals=standalone, baseline="dapo" if baseline is None else baseline,
+                               require_baseline=baseline is not None)
     if runs:
         plot_curves(out, runs, CURVES + (REFLECTION_CURVE,))
         plot_accuracy(out, runs)  # accuracy.png, when a run has an accuracy-over-training curve

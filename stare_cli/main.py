@@ -280,6 +280,10 @@ def eval_(
 def compare(
     dirs: List[Path] = typer.Argument(..., help="Training runs, eval outputs, or folders holding runs."),
     out: Path = typer.Option(Path("comparison"), "--out", "-o", help="Where the tables and plots go."),
+    baseline: Optional[str] = typer.Option(
+        None, "--baseline", help="The arm every other arm's seeds are tested against (95% intervals, exact "
+        "permutation p-values): an algorithm (the first arm of it), an arm's label as the table prints it, or its "
+        "folder, e.g. --baseline runs/smollm-seeds-gate-off/stare. Default: dapo, when there is one."),
 ) -> None:
     """Compare training runs and evaluations: comparison.md/.csv and entropy, reward, response-length and
     reflection plots against training step (one line per run, the target band shaded). Missing pieces are
@@ -288,7 +292,7 @@ def compare(
 
     errors.check_out_dir(out)
     try:
-        rows = run_compare(list(dirs), out)
+        rows = run_compare(list(dirs), out, baseline=baseline)
     except ValueError as exc:
         fail(str(exc))
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)

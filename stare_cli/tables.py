@@ -202,10 +202,22 @@ def _seed_values(arm: dict, measure: str) -> list[float]:
     return [p[measure] for p in arm["runs"] if p.get(measure) is not None]
 
 
+def find_baseline(arms: list[dict], baseline: str) -> dict | None:
+    """The arm the tests compare against: the one labelled ``baseline`` (``stare (runs/x/stare)`` where two arms
+    share an algorithm), or whose folder is ``baseline`` (the part of such a label in parentheses), else the first
+    arm of algorithm ``baseline``; None when there is none."""
+    for match in (lambda a: a.get("label") == baseline, lambda a: str(a.get("label", "")).endswith(f" ({baseline})"),
+                  lambda a: a["arm"] == baseline):
+        found = next((a for a in arms if match(a)), None)
+        if found is not None:
+            return found
+    return None
+
+
 def seed_tests(arms: list[dict], baseline: str) -> list[dict]:
     """Per arm and measure of SEED_MEASURES: the 95% interval over seeds and, against ``baseline`` (both with two
     seeds or more), the one-sided exact permutation p-values for "higher" and for "lower"."""
-    base = next((a for a in arms if a["arm"] == baseline), None)
+    base = find_baseline(arms, baseline)
     out = []
     for arm in arms:
         row = {"label": arm["label"], "n_seeds": arm["n_seeds"]}
@@ -248,18 +260,19 @@ def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
     return md
 
 
-def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = ()) -> dict:
+def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
+                     require_baseline: bool = False) -> dict:
     """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
 
     ``runs``: training runs (their ``evals`` already joined); ``evals``: summary.json dicts of evaluations that
-    belong to none of the runs (one row per model). The rows and columns are those of the module docstring. With
-    hard-case results, each arm's per-seed hard pass@k is tested against ``baseline``'s (one-sided exact
-    permutation test; both arms need two seeds or more).
+    belong to none of the runs (one row per model). The rows and columns are those of the module docstring. The
+    seed table, and with hard-case results each arm's per-seed hard pass@k, are tested against ``baseline``
+    (``find_baseline``: an arm's label, its folder or an algorithm; one-sided exact permutation tests, both arms
+    with two seeds or more). With ``require_baseline`` a ``baseline`` that names no arm is a ValueError listing the
+    arms, raised before anything is written; without it the tables simply have no p-values.
     """
     if not runs and not evals:
         raise ValueError("write_comparison needs at least one run or evaluation")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     k = common_k(runs)
     groups = group_arms(runs)
     arms = [summarise_arm(group) for group in groups]
@@ -275,7 +288,12 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     settings = [r.config.get("settings") or {} for r in runs]
     band = reference_band(runs)
     has_hard = any(a["metrics"]["hard_pass_at_k"]["n"] or a["metrics"]["hard_avg_at_k"]["n"] for a in arms)
-    base = next((a for a in arms if a["arm"] == baseline), None)
+    base = find_baseline(arms, baseline)
+    if base is None and require_baseline:
+        raise ValueError(f"--baseline {baseline!r}: no arm of that name, label or folder here; the arms are: "
+                         + ", ".join(a["label"] for a in arms))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     test_name = f"one-sided exact permutation test on per-seed hard-case pass@k vs {baseline}"
 
     # p-values: each arm's per-seed hard pass@k against the baseline's

@@ -142,7 +142,7 @@ def option_cases() -> list[tuple[str, list[str], str | None]]:
                         "--limit": ["0", "-1", "x"], "--seed": ["x", "1.5", ""], "--out": out_paths,
                         "--tools": ["nope", "", UNICODE], "--engines": ["0", "-1", "x", "", "1.5"],
                         "--ray-address": [""], "--checkpoints": ["nope", "", "every:0", "every:x", "every:-2", UNICODE]}),
-        "compare": (COMPARE, {"--out": out_paths}),
+        "compare": (COMPARE, {"--out": out_paths, "--baseline": ["nope", "", UNICODE, "DAPO"]}),
     }
     cases = []
     for name, (base, flags) in table.items():
@@ -205,7 +205,10 @@ def scratch(tmp_path, monkeypatch):
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "noconfig").mkdir()
     (tmp_path / "data.jsonl").write_text('{"id": "p1", "problem": "What is 1+1?", "answer": "2"}\n')
-    (tmp_path / "arun").mkdir()
+    (tmp_path / "arun").mkdir()  # a training run as `stare compare` reads one: config.yaml + metrics.jsonl
+    (tmp_path / "arun" / "config.yaml").write_text("preset: tiny-cpu\nbackend: local\nalgo: {name: dapo}\n"
+                                                   "settings: {model: tiny, task: reverse}\n")
+    (tmp_path / "arun" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5, "stare/entropy": 0.4}\n')
     ro = tmp_path / "ro"
     real_access = os.access
     # an unwritable folder: access(2) answers as on a read-only file system (root ignores permissions)

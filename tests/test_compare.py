@@ -184,3 +184,58 @@ def test_seed_table_p_values_below_a_thousandth_keep_their_digits():
     from stare.cli.tables import _fmt_p
 
     assert _fmt_p(1 / 12870) == "7.8e-05" and _fmt_p(0.05) == "0.050" and _fmt_p(None) == ""
+
+
+def _seeded_runs(root, algo, lates):
+    """One run folder per seed under ``root``/``algo``, each ending at its late entropy."""
+    paths = []
+    for seed, h in enumerate(lates):
+        path = root / algo / f"seed{seed}"
+        make_run(path, algo, [0.8] * 15 + [h] * 5)
+        cfg = yaml.safe_load((path / "config.yaml").read_text())
+        cfg["settings"]["seed"] = seed
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+        paths.append(path)
+    return paths
+
+
+def test_baseline_picks_one_of_two_arms_of_an_algorithm_by_folder(tmp_path):
+    """``--baseline FOLDER`` tests every arm against that arm (here a second stare arm, the gate-off control), and
+    the p-values are those of a brute-force count over the 20 ways to split six per-seed values 3 + 3."""
+    import itertools
+
+    gate_on, gate_off, dapo = [0.25, 0.27, 0.20], [0.15, 0.26, 0.24], [0.10, 0.12, 0.14]
+    _seeded_runs(tmp_path / "on", "stare", gate_on)
+    _seeded_runs(tmp_path / "off", "stare", gate_off)
+    _seeded_runs(tmp_path / "on", "dapo", dapo)
+    res = stare("compare", str(tmp_path / "on"), str(tmp_path / "off"), "--out", str(tmp_path / "cmp"),
+                "--baseline", str(tmp_path / "off" / "stare"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    rows = {r["label"]: r for r in summary["seed_tests"]}
+    on_label, off_label = f"stare ({tmp_path / 'on' / 'stare'})", f"stare ({tmp_path / 'off' / 'stare'})"
+
+    def p_higher(x, y):  # share of the splits whose first half's sum reaches the observed one
+        pool, observed = x + y, sum(x)
+        splits = list(itertools.combinations(range(6), 3))
+        return sum(sum(pool[i] for i in s) >= observed - 1e-12 for s in splits) / len(splits)
+
+    assert rows[on_label]["late_entropy"]["p_higher"] == pytest.approx(p_higher(gate_on, gate_off))
+    assert rows[on_label]["late_entropy"]["p_lower"] == pytest.approx(p_higher(gate_off, gate_on))
+    assert rows["dapo"]["late_entropy"]["p_lower"] == pytest.approx(p_higher(gate_off, dapo)) == pytest.approx(0.05)
+    assert rows[off_label]["late_entropy"]["p_higher"] is None  # the baseline itself
+    # the label as printed and the algorithm name pick arms too (the algorithm: its first arm, here the gate-on one)
+    from stare.cli.tables import find_baseline
+
+    arms = [{"arm": "stare", "label": on_label}, {"arm": "stare", "label": off_label}, {"arm": "dapo", "label": "dapo"}]
+    assert find_baseline(arms, off_label) is arms[1] and find_baseline(arms, "stare") is arms[0]
+    assert find_baseline(arms, "grpo") is None
+
+
+def test_a_baseline_that_names_no_arm_is_one_line_and_writes_nothing(tmp_path):
+    _seeded_runs(tmp_path / "runs", "dapo", [0.1, 0.2])
+    res = stare("compare", str(tmp_path / "runs"), "--out", str(tmp_path / "cmp"), "--baseline", "grpo")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "--baseline 'grpo'" in lines[0] and "the arms are: dapo" in lines[0]
+    assert not (tmp_path / "cmp").exists()
