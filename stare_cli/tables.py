@@ -214,10 +214,10 @@ def find_baseline(arms: list[dict], baseline: str) -> dict | None:
     return None
 
 
-def seed_tests(arms: list[dict], baseline: str) -> list[dict]:
-    """Per arm and measure of SEED_MEASURES: the 95% interval over seeds and, against ``baseline`` (both with two
-    seeds or more), the one-sided exact permutation p-values for "higher" and for "lower"."""
-    base = find_baseline(arms, baseline)
+def seed_tests(arms: list[dict], base: dict | None) -> list[dict]:
+    """Per arm and measure of SEED_MEASURES: the 95% interval over seeds and, against the arm ``base``
+    (``find_baseline``; None: no tests; both with two seeds or more), the one-sided exact permutation p-values for
+    "higher" and for "lower"."""
     out = []
     for arm in arms:
         row = {"label": arm["label"], "n_seeds": arm["n_seeds"]}
@@ -339,7 +339,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         "evals": eval_rows,
         "notes": notes,
     }
-    summary["seed_tests"] = seed_tests(arms, baseline)
+    summary["seed_tests"] = seed_tests(arms, base)
 
     # columns: (measure, md header, csv name, signed, shown in the markdown)
     # labels name k: the evaluated one, else the configs' eval_k (an arm without eval.json has blank cells anyway)

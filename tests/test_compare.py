@@ -151,21 +151,26 @@ def test_bad_input_exit_2(tmp_path):
     assert len([x for x in res.stderr.splitlines() if x.strip()]) == 1
 
 
+def _seeded_runs(root, algo, lates):
+    """One run folder per seed under ``root``/``algo``, each ending at its late entropy."""
+    paths = []
+    for seed, h in enumerate(lates):
+        path = root / algo / f"seed{seed}"
+        make_run(path, algo, [0.8] * 15 + [h] * 5)
+        cfg = yaml.safe_load((path / "config.yaml").read_text())
+        cfg["settings"]["seed"] = seed
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+        paths.append(path)
+    return paths
+
+
 def test_seed_table_intervals_and_permutation_tests(tmp_path):
     """Three seeds per arm: the late-entropy 95% interval against statistics.stdev and Student's t (4.303 for two
     degrees of freedom), and the exact permutation p-values counted by hand (20 splits of six values)."""
     import statistics
 
     late = {"dapo": [0.10, 0.12, 0.14], "stare-phi": [0.35, 0.40, 0.38]}
-    runs = []
-    for algo, values in late.items():
-        for seed, h in enumerate(values):
-            path = tmp_path / algo / f"seed{seed}"
-            make_run(path, algo, [0.8] * 15 + [h] * 5)
-            cfg = yaml.safe_load((path / "config.yaml").read_text())
-            cfg["settings"]["seed"] = seed
-            (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-            runs.append(path)
+    runs = [path for algo, values in late.items() for path in _seeded_runs(tmp_path, algo, values)]
     compare(runs, tmp_path / "cmp")
     summary = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
     rows = {r["label"]: r for r in summary["seed_tests"]}
@@ -184,19 +189,6 @@ def test_seed_table_p_values_below_a_thousandth_keep_their_digits():
     from stare.cli.tables import _fmt_p
 
     assert _fmt_p(1 / 12870) == "7.8e-05" and _fmt_p(0.05) == "0.050" and _fmt_p(None) == ""
-
-
-def _seeded_runs(root, algo, lates):
-    """One run folder per seed under ``root``/``algo``, each ending at its late entropy."""
-    paths = []
-    for seed, h in enumerate(lates):
-        path = root / algo / f"seed{seed}"
-        make_run(path, algo, [0.8] * 15 + [h] * 5)
-        cfg = yaml.safe_load((path / "config.yaml").read_text())
-        cfg["settings"]["seed"] = seed
-        (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-        paths.append(path)
-    return paths
 
 
 def test_baseline_picks_one_of_two_arms_of_an_algorithm_by_folder(tmp_path):

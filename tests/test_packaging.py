@@ -13,6 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 PIN = re.compile(r'"?([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([0-9][^"\s]*)"?')
 
 
+def package_sources() -> list[Path]:
+    """The package's Python files (the folders pyproject maps into ``stare``)."""
+    return [p for folder in ("stare_cli", "algorithms", "eval") for p in sorted((REPO / folder).rglob("*.py"))]
+
+
 def pins(lines):
     return {m.group(1).lower(): m.group(2) for line in lines for m in PIN.finditer(line)}
 
@@ -59,7 +64,7 @@ def test_the_package_writes_the_openrlhf_version_once():
     constant is the code's only copy of the version (an upgrade edits one line of Python)."""
     from stare.cli.openrlhf_backend import OPENRLHF_VERSION
 
-    files = [p for folder in ("stare_cli", "algorithms", "eval") for p in sorted((REPO / folder).rglob("*.py"))]
+    files = package_sources()
     counts = {str(p.relative_to(REPO)): p.read_text().count(OPENRLHF_VERSION) for p in files}
     assert counts.pop("stare_cli/openrlhf_backend/__init__.py") == 1
     assert not {name: n for name, n in counts.items() if n}
@@ -71,7 +76,7 @@ def test_install_hints_in_messages_pin_what_pyproject_pins():
     to a release the code was not tested with. Every ``NAME==VERSION`` in the package's Python files is checked."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     wanted = pins(project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra])
-    files = [p for folder in ("stare_cli", "algorithms", "eval") for p in sorted((REPO / folder).rglob("*.py"))]
+    files = package_sources()
     hint = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([0-9][0-9A-Za-z.+]*[0-9A-Za-z])")  # ends at quotes, ')'
     found = {(str(p.relative_to(REPO)), m.group(1).lower(), m.group(2))
              for p in files for m in hint.finditer(p.read_text())}
