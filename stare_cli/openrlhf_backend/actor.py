@@ -5,7 +5,8 @@
 - ``StarePolicyModelActor.init_model_from_pretrained``: after OpenRLHF has built the model, optimizer and trainer,
   ``install`` turns the trainer into a ``StareActorTrainer`` with a ``stare`` attribute (``step.StareStep``) and its
   parsed ``PolicyLoss`` into a ``StarePolicyLoss`` (same settings: clip low/high, dual clip, token-level loss, GSPO,
-  importance-sampling correction); the controller's state is loaded when resuming.
+  importance-sampling correction); when resuming, the controller's state is loaded and the position OpenRLHF's
+  trainer restarts at is corrected (``checkpoint.resume_position``: a step that ended its episode).
 - ``StarePolicyModelActor.forward`` is OpenRLHF's old-log-prob forward, which also stashes the statistics
   (``stats.Stash.old_log_probs``); ``save_checkpoint`` also writes the controller's state (``checkpoint``).
 - ``StareActorTrainer`` overrides OpenRLHF's ``ppo_train`` and ``training_step`` only to hand them to
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from stare.algorithms import AlgoConfig
 
 from .argv import SETTINGS_ENV
-from .checkpoint import load_stare_state, save_stare_state
+from .checkpoint import load_stare_state, resume_position, save_stare_state
 from .compat import ActorPPOTrainer, merge_mm_train_inputs, ppo_actor
 from .loss import StarePolicyLoss
 from .step import StareStep
@@ -76,6 +77,10 @@ class StarePolicyModelActor(_BasePolicyActor):
             tag = load_stare_state(trainer, args.ckpt.path)
             if tag is not None:
                 strategy.print(f"STARE: controller state restored from checkpoint {tag}")
+            # what the trainer's fit() restarts from (get_checkpoint_states returns it)
+            self.checkpoint_states, note = resume_position(self.checkpoint_states or {})
+            if note:
+                strategy.print(note)
 
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
                 mm_train_inputs_list=None):
@@ -99,7 +104,7 @@ class StarePolicyModelActor(_BasePolicyActor):
         super().save_checkpoint(tag, client_states, metric_value, metric_key)
         if not dist.is_initialized() or dist.get_rank() == 0:
             args = self.strategy.args
-            save_stare_state(self.trainer, args.ckpt.path, tag, args.ckpt.max_num)
+            save_stare_state(self.trainer, args.ckpt.path, tag, args.ckpt.max_num, client_states)
 
 
 def register() -> None:

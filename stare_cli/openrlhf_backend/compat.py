@@ -40,6 +40,17 @@ _NAMES = {
 }
 
 
+# Keys of the ``client_states`` dict that ``PPOTrainer.fit`` (openrlhf/trainer/ppo_trainer.py) saves with every
+# checkpoint and restarts from, and the key of the prompt loader's state (torchdata's ``StatefulDataLoader``, the
+# loader ``DeepspeedStrategy.setup_dataloader`` builds) that says the loader ran dry. checkpoint.resume_position reads
+# them to start a resumed run where the uninterrupted one goes on (docs/openrlhf-backend.md, "Resume").
+CLIENT_EPISODE = "episode"
+CLIENT_GLOBAL_STEP = "global_step"
+CLIENT_CONSUMED_PROMPTS = "total_consumed_prompts"
+CLIENT_LOADER_STATE = "data_loader_state_dict"
+LOADER_FINISHED = "_iterator_finished"
+
+
 def __getattr__(name: str):
     if name not in _NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
