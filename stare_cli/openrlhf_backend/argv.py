@@ -26,6 +26,11 @@ from ..gpu_schema import SettingsError, check_values  # the GPU presets' setting
 SETTINGS_ENV = "STARE_SETTINGS"
 DASHBOARD_ENV = "STARE_RAY_DASHBOARD"  # 1: the local Ray head starts its dashboard (the ray_dashboard setting)
 REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
+# every Ray worker of a run starts with torch's generator seeded from the run's seed (launch.seed_worker, Ray's
+# worker_process_setup_hook): OpenRLHF's prompt loader draws its shuffling seed from that generator, which torch
+# otherwise seeds at random in each new process, so two runs with one seed would see the prompts in other orders
+SEED_ENV = "STARE_SEED"
+SEED_HOOK = "stare.cli.openrlhf_backend.launch.seed_worker"
 PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
 
 
@@ -259,13 +264,14 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
         stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
+           SEED_ENV: str(s["seed"]),
            "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
     if s["agent"]:
         env["STARE_TOOL_MAX_TURNS"] = str(s["tool_max_turns"])
         env["STARE_TOOL_TIMEOUT_S"] = _fmt(s["tool_timeout_s"])
         env["STARE_SANDBOX_ISOLATION"] = s["sandbox_isolation"]
     ray = {"address": ray_address, "start_local_head": not ray_address,  # no address: a head starts here
-           "dashboard": s["ray_dashboard"], "runtime_env": {"env_vars": env}}
+           "dashboard": s["ray_dashboard"], "runtime_env": {"env_vars": env, "worker_process_setup_hook": SEED_HOOK}}
     if ray_address and s["ray_dashboard"]:
         notes.append("ray_dashboard: joining a cluster, whose head decides on its dashboard "
                      "(ray start --head --include-dashboard=true)")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .argv import DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SETTINGS_ENV, build_launch
+from .argv import DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SEED_ENV, SEED_HOOK, SETTINGS_ENV, build_launch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REWARD_FILE = PACKAGE_DIR / "reward.py"
@@ -24,7 +24,7 @@ AGENT_FILE = PACKAGE_DIR.parent / "agent" / "python_agent.py"
 
 WANDB_PLACEHOLDER = "${WANDB_API_KEY}"
 # variables the workers need; passed in the Ray runtime environment
-FORWARDED_ENV = (SETTINGS_ENV, REWARD_TIMEOUT_ENV, "STARE_TOOL_MAX_TURNS", "STARE_TOOL_TIMEOUT_S",
+FORWARDED_ENV = (SETTINGS_ENV, REWARD_TIMEOUT_ENV, SEED_ENV, "STARE_TOOL_MAX_TURNS", "STARE_TOOL_TIMEOUT_S",
                  "STARE_TOOL_MEMORY_MB", "STARE_TOOL_MAX_OUTPUT_CHARS", "STARE_TOOL_FORMAT", "STARE_SANDBOX_ISOLATION",
                  "TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "HF_HOME",
                  "HF_TOKEN", "HF_HUB_OFFLINE", "WANDB_API_KEY")
@@ -98,8 +98,23 @@ def start(resolved: dict, launch_plan: dict, *, log=print) -> None:
 
 
 def runtime_env(environ=None) -> dict:
+    """What every Ray worker of the run gets: the variables it needs, and ``seed_worker`` at its start."""
     environ = os.environ if environ is None else environ
-    return {"env_vars": {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}}
+    return {"env_vars": {k: environ[k] for k in FORWARDED_ENV if environ.get(k)},
+            "worker_process_setup_hook": SEED_HOOK}
+
+
+def seed_worker(environ=None) -> None:
+    """Ray's ``worker_process_setup_hook``: seed torch's generator from the run's seed (``STARE_SEED``) before the
+    worker builds anything. OpenRLHF's trainer shuffles the prompts with a generator seeded from torch's (its
+    ``StatefulDataLoader``'s ``RandomSampler``), and torch seeds its own at random in every new process, so without
+    this the prompt order of a run was not a function of ``--set seed`` (docs/openrlhf-backend.md, "Resume")."""
+    environ = os.environ if environ is None else environ
+    seed = environ.get(SEED_ENV)
+    if seed:
+        import torch
+
+        torch.manual_seed(int(seed))
 
 
 def substitute_secrets(argv: list[str], environ=None) -> list[str]:
