@@ -75,6 +75,7 @@ class Run:
     env: dict = field(default_factory=dict)
     gpus: int = 2  # logical GPUs for Ray: actor ranks + vLLM engine (+ reference)
     resume: bool = False
+    steps: int = 2  # what the run trains (its --sets' episodes x steps an episode)
     expect_rc: int = 0
 
 
@@ -100,12 +101,17 @@ SIZING = ["colocate=false", "packing=false", "apply_chat_template=false", "gpus_
           "samples_per_prompt=8", "prompts_per_step=3", "train_batch_size=8", "micro_batch_size=8",
           "rollout_micro_batch_size=8", "max_prompt_len=64", "max_response_len=16", "save_steps=1",
           "max_checkpoints=2", "episodes=2"]
-# the controller's path must show in W and M: gate always on (target far above the entropy), W and M moving by 0.05.
-# No dynamic filtering here: these runs take 3 steps at lr 1e-3 over the three prompts, and a step whose three groups
-# all come out all-equal would train nothing, leaving the controller path a step short (it happened twice, both on a
-# heavily loaded machine, with steps 2 and 3 all zero). The rollouts are not seeded per request, so no two runs sample
-# alike; the other runs keep dynamic filtering.
-ADAPTIVE = ["target_entropy=20", "adaptive=true", "alpha=0.05", "lr=1e-3", "episodes=3", "dynamic_sampling=false"]
+# The resume runs: the algorithm's defaults (dynamic filtering on) on a prompt file of their own, the three problems
+# plus one whose gold answer the model never gives (always all wrong, so dynamic filtering always drops it), two
+# prompts a step, 2 episodes. Whatever the shuffled order, each episode is 2 steps and 4 prompts, and its second step
+# empties the prompt loader inside itself (the hard prompt's replacement draw, or the step's own second draw, finds
+# no prompt left): the case OpenRLHF 0.11.2 resumed one episode too many (docs/openrlhf-backend.md, "Resume").
+# 32 samples a group: an easy group comes out all-equal, and is dropped by chance, with probability
+# (1/3)^32 + (2/3)^32 = 2e-6, so the steps are the same in every run. The controller's path must show in W and M:
+# the gate always on (target far above the entropy), W and M moving by 0.05; lr 1e-3 so the final model moves.
+HARD_PROBLEM = {"id": "p4", "problem": "What is 3+4?", "answer": "7"}
+RESUME = ["data={work}/problems-resume.jsonl", "target_entropy=20", "adaptive=true", "alpha=0.05", "lr=1e-3",
+          "samples_per_prompt=32", "train_batch_size=32", "prompts_per_step=2"]
 OVERLONG = ["overlong_buffer_len=4"]  # dapo's shaping must fit the 16-token responses
 
 # The weight-sync check: dr-grpo (no dynamic filtering, so a large step never empties a batch) with token-level IS
@@ -114,13 +120,15 @@ OVERLONG = ["overlong_buffer_len=4"]  # dapo's shaping must fit the 16-token res
 SYNC = ["lr=1e-2", "episodes=3"]
 
 RUNS = [
-    # the main run: 3 steps with the controller moving W and M
-    Run("stare", "stare", ADAPTIVE),
-    # the same run killed right after step 2's checkpoint, then resumed
-    Run("stare-killed", "stare", ADAPTIVE, env={patches.CRASH_ENV: "2"}, expect_rc=-1),
+    # the main run: 4 steps (2 episodes) with the controller moving W and M
+    Run("stare", "stare", RESUME, steps=4),
+    # the same run killed right after step 2's checkpoint (the end of the first episode), then resumed
+    Run("stare-killed", "stare", RESUME, env={patches.CRASH_ENV: "2"}, steps=4, expect_rc=-1),
+    # killed inside the first episode, with step 2's rollouts generated and scored but not trained, then resumed
+    Run("stare-killed-mid", "stare", RESUME, env={patches.CRASH_IN_STEP_ENV: "2"}, steps=4, expect_rc=-1),
     # dr-grpo, 3 steps, vllm_kl logged; and its negative control, the engine receiving every sync but loading nothing
-    Run("dr-grpo", "dr-grpo", SYNC, IS_CORRECTION),
-    Run("dr-grpo-nosync", "dr-grpo", SYNC, IS_CORRECTION, env={patches.SKIP_LOAD_ENV: "1"}),
+    Run("dr-grpo", "dr-grpo", SYNC, IS_CORRECTION, steps=3),
+    Run("dr-grpo-nosync", "dr-grpo", SYNC, IS_CORRECTION, env={patches.SKIP_LOAD_ENV: "1"}, steps=3),
     # every other algorithm, two steps each
     Run("grpo-kl", "grpo", ["kl_coef=0.01"], gpus=3),  # the reference actor runs
     Run("dapo", "dapo", OVERLONG),
@@ -133,7 +141,8 @@ RUNS = [
     Run("kl-cov", "kl-cov"),
     Run("80-20", "80-20", OVERLONG),
 ]
-STEPS = {r.name: 3 if "episodes=3" in r.sets else 2 for r in RUNS}
+STEPS = {r.name: r.steps for r in RUNS}
+KILLED = [r.name for r in RUNS if r.expect_rc != 0]
 # STARE_E2E_RUNS=stare,dapo runs only those (a developer's shortcut; the other tests skip)
 SELECTED = [r for r in RUNS if not os.environ.get("STARE_E2E_RUNS")
             or r.name in os.environ["STARE_E2E_RUNS"].split(",")]
@@ -153,6 +162,7 @@ def run_env(run: Run, work: Path) -> dict:
         STARE_E2E_CPU_PATCHES="1",
         STARE_E2E_PATCH_LOG=str(work / "patches.log"),
         STARE_E2E_EXTRA_ARGS=f"{CPU_FLAGS} {run.extra_flags}".strip(),
+        STARE_E2E_POSITIONS=str(positions_file(run, work)),
         RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": run.gpus, "CPU": 8}),
         RAY_TMPDIR=ray_tmpdir(run),
         DS_ACCELERATOR="cpu",
@@ -165,8 +175,14 @@ def run_env(run: Run, work: Path) -> dict:
     return env
 
 
+def positions_file(run: Run, work: Path) -> Path:
+    """Where the run's trainer positions are logged, one JSON line per checkpoint (both parts of a killed run)."""
+    return work / f"{run.name}.positions.jsonl"
+
+
 def train_args(run: Run, work: Path) -> list[str]:
-    sets = [f"model={work / 'model'}", f"data={work / 'problems.jsonl'}", *SIZING, *run.sets]
+    sets = [f"model={work / 'model'}", f"data={work / 'problems.jsonl'}", *SIZING,
+            *(s.replace("{work}", str(work)) for s in run.sets)]
     args = [str(ENV_STARE), "train", "--preset", PRESET, "--algo", run.algo, "--out", str(work / run.name)]
     for s in sets:
         args += ["--set", s]
@@ -234,11 +250,12 @@ def stare(args: list, cwd: Path, python: Path | None = None, **env) -> subproces
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from tiny_models import build_tiny_model, write_problems
+    from tiny_models import PROBLEMS, build_tiny_model, write_problems
 
     folder = tmp_path_factory.mktemp("openrlhf_e2e")
     build_tiny_model(folder / "model", train=True, hidden_size=128, steps=200)
     write_problems(folder / "problems.jsonl")
+    write_problems(folder / "problems-resume.jsonl", [*PROBLEMS, HARD_PROBLEM])
     return folder
 
 
@@ -247,9 +264,9 @@ def results(work) -> dict[str, Result]:
     """Every run, two at a time; the killed run is resumed in its own folder right after it stops."""
     def chain(run: Run) -> list[Result]:
         first = execute(run, work)
-        if run.name != "stare-killed":
+        if run.name not in KILLED:
             return [first]
-        resumed = Run(run.name, run.algo, run.sets, run.extra_flags, gpus=run.gpus, resume=True)
+        resumed = Run(run.name, run.algo, run.sets, run.extra_flags, gpus=run.gpus, resume=True, steps=run.steps)
         return [first, execute(resumed, work)]
 
     started = time.monotonic()
@@ -379,7 +396,8 @@ def test_kl_cov_and_clip_cov_and_80_20_apply_their_rules(results):
 def test_compare_gives_the_run_a_row_with_entropy_and_reward(results, work):
     """`stare compare RUN` reads the run's TensorBoard logs into one row whose entropy and reward are the logged
     values (read here with TensorBoard's own reader): start H is step 1's stare/entropy, the final reward the mean
-    of train/reward over the last 10% of the steps (the last step of three)."""
+    of train/reward over the last 10% of the steps and the late entropy over the last 25% (the last step of four
+    for both)."""
     r = ok(results, "stare")
     out = work / "compare-stare"
     stare(["compare", r.out, "--out", out], cwd=work)
@@ -388,8 +406,8 @@ def test_compare_gives_the_run_a_row_with_entropy_and_reward(results, work):
     metrics = arms[0]["metrics"]
     tags = scalars(r.out)
     assert metrics["start_entropy"]["mean"] == pytest.approx(tags["train/stare/entropy"][1], rel=1e-6)
-    assert metrics["late_entropy"]["mean"] == pytest.approx(tags["train/stare/entropy"][3], rel=1e-6)
-    assert metrics["final_reward"]["mean"] == pytest.approx(tags["train/reward"][3], rel=1e-6)
+    assert metrics["late_entropy"]["mean"] == pytest.approx(tags["train/stare/entropy"][4], rel=1e-6)
+    assert metrics["final_reward"]["mean"] == pytest.approx(tags["train/reward"][4], rel=1e-6)
     assert 0 <= metrics["final_reward"]["mean"] <= 1
     assert "| stare |" in (out / "comparison.md").read_text()
 
@@ -426,47 +444,81 @@ def test_weight_sync_check_fails_when_the_engine_loads_nothing(results):
 # resume
 
 
-def test_killed_run_stopped_after_step_2s_checkpoint(results):
-    if "stare-killed" not in results:
-        pytest.skip("stare-killed is not in STARE_E2E_RUNS")
-    r = results["stare-killed"]
+# run -> (the checkpoint it resumes from, what its kill printed)
+KILLS = {"stare-killed": (2, "exiting after step 2's checkpoint"),
+         "stare-killed-mid": (1, "exiting with step 2's rollouts untrained")}
+
+
+def positions(run_name: str, work: Path) -> list[dict]:
+    """The trainer positions saved with the run's checkpoints, in the order they were written (both parts of a
+    killed run), read from the test hook's file."""
+    path = work / f"{run_name}.positions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_killed_run_stopped_where_it_was_killed(results, name):
+    if name not in results:
+        pytest.skip(f"{name} is not in STARE_E2E_RUNS")
+    r = results[name]
+    last, message = KILLS[name]
     assert r.rc != 0, "the killed run exited 0"
-    assert "exiting after step 2's checkpoint" in r.log, r.log[-3000:]
-    assert "Global step 3" not in r.log
-    # what the kill left (the folder is resumed afterwards): step 2's checkpoints, no final model
-    assert "ckpt/_actor/global_step2" in r.files and "ckpt/stare/global_step2.json" in r.files, r.files
-    assert not any(f.startswith(("final", "ckpt/_actor/global_step3")) for f in r.files), r.files
+    assert message in r.log, r.log[-3000:]
+    assert f"Global step {last + 1}" not in r.log
+    # what the kill left (the folder is resumed afterwards): the last checkpoint before the kill, no final model
+    assert f"ckpt/_actor/global_step{last}" in r.files and f"ckpt/stare/global_step{last}.json" in r.files, r.files
+    assert not any(f.startswith(("final", f"ckpt/_actor/global_step{last + 1}")) for f in r.files), r.files
 
 
-def test_resume_continues_with_the_same_controller_path(results):
-    """Resumed from step 2's checkpoint, the run takes step 3 with the gate, W and M an uninterrupted run takes
-    there: the controller state was saved with the checkpoint and restored from the tag OpenRLHF loads. (W and M
-    move by alpha every step with the gate on, so a controller restarted from its defaults would be off by 2
-    alpha at step 3.)"""
-    resumed = ok(results, "stare-killed-resume")
+def test_the_uninterrupted_resume_run_takes_the_steps_worked_out_by_hand(results, work):
+    """The reference the resumed runs are held to, against what the prompt file implies whatever the shuffled order:
+    2 episodes of 2 steps, 4 prompts an episode (the hard prompt dropped once an episode, no easy group ever), the
+    prompt loader run dry inside each episode's second step, and W and M moved by alpha at every step (the gate is
+    on: W from 1.1 up, M from 0.9 down)."""
     whole = ok(results, "stare")
-    assert "STARE: controller state restored from checkpoint global_step2" in resumed.log
+    saved = positions("stare", work)
+    assert [(p["global_step"], p["episode"]) for p in saved] == [(1, 0), (2, 0), (3, 1), (4, 1)], saved
+    assert [saved[i]["total_consumed_prompts"] for i in (1, 3)] == [4, 8], saved
+    assert [p["loader_finished"] for p in saved] == [False, True, False, True], saved
+    assert whole.log.count("Filtered out: avg_reward=") == 2, "an easy group was dropped, or the hard one kept"
+    tags = scalars(whole.out)
+    assert [round(tags["train/stare/w"][s], 6) for s in (1, 2, 3, 4)] == [1.15, 1.2, 1.25, 1.3]
+    assert [round(tags["train/stare/m"][s], 6) for s in (1, 2, 3, 4)] == [0.85, 0.8, 0.75, 0.7]
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_resume_takes_exactly_the_uninterrupted_runs_steps(results, work, name):
+    """Killed at an episode's end (after step 2's checkpoint) or inside an episode (step 2's rollouts generated but
+    not trained, so step 1's checkpoint is the last) and resumed, the run takes exactly the uninterrupted run's
+    steps, with dynamic filtering on: the same global steps and no more, the same learning rate at each, the same
+    episode and prompts consumed at every checkpoint, the same gate, W and M. Rollouts a kill lost are drawn anew
+    from the same prompts (the loader's saved position), not restored."""
+    resumed = ok(results, f"{name}-resume")
+    whole = ok(results, "stare")
+    last, _ = KILLS[name]
+    assert f"STARE: controller state restored from checkpoint global_step{last}" in resumed.log
+    moved = "STARE: checkpoint step 2 was the last of episode 1 (its prompts ran out inside the step); resuming at " \
+            "episode 2"
+    assert (moved in resumed.log) == (last == 2), resumed.log[-3000:]
+    assert positions(name, work) == positions("stare", work)  # every checkpoint once, in order, at the same place
     got, want = scalars(resumed.out), scalars(whole.out)
-    for tag in ("train/stare/gate_on", "train/stare/w", "train/stare/m"):
-        assert set(got[tag]) == {1, 2, 3}, (tag, got[tag])
-        for step in (1, 2, 3):
-            assert got[tag][step] == pytest.approx(want[tag][step], abs=1e-9), (tag, step, got[tag], want[tag])
-    # independent of both runs: W starts at 1.1 and rises by alpha 0.05 per step (gate on), M falls from 0.9
-    assert [round(want["train/stare/w"][s], 6) for s in (1, 2, 3)] == [1.15, 1.2, 1.25]
-    assert [round(want["train/stare/m"][s], 6) for s in (1, 2, 3)] == [0.85, 0.8, 0.75]
+    for tag in ("train/policy_loss", "train/actor_lr", "train/stare/gate_on", "train/stare/w", "train/stare/m"):
+        assert set(got.get(tag, {})) == {1, 2, 3, 4}, (tag, got.get(tag))
+    for tag in ("train/actor_lr", "train/stare/gate_on", "train/stare/w", "train/stare/m"):
+        assert got[tag] == want[tag], (tag, got[tag], want[tag])
 
 
 def test_controller_state_files_follow_openrlhfs_checkpoints(results):
     """One state file per DeepSpeed checkpoint tag, pruned with OpenRLHF's (max_checkpoints 2)."""
-    for name in ("stare", "stare-killed-resume"):
+    for name in ("stare", *(f"{k}-resume" for k in KILLS)):
         r = ok(results, name)
         ckpt = r.out / "ckpt"
         tags = sorted(p.name for p in (ckpt / "_actor").iterdir() if p.is_dir() and p.name.startswith("global_step"))
         states = sorted(p.stem for p in (ckpt / "stare").glob("*.json"))
-        assert tags == ["global_step2", "global_step3"], tags
+        assert tags == ["global_step3", "global_step4"], tags
         assert states == tags, (states, tags)
-        saved = json.loads((ckpt / "stare" / "global_step3.json").read_text())
-        assert saved["algo"] == "stare" and saved["steps"] == 3, saved
+        saved = json.loads((ckpt / "stare" / "global_step4.json").read_text())
+        assert saved["algo"] == "stare" and saved["steps"] == 4, saved
 
 
 # ---------------------------------------------------------------------------------------------------------------

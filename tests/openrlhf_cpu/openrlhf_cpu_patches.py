@@ -13,10 +13,13 @@ OpenRLHF, vLLM or torch upgrade that moves the code makes the end-to-end test fa
 something else. Every applied patch is recorded as a line in ``$STARE_E2E_PATCH_LOG`` (the test checks that all
 of them ran somewhere).
 
-Two test hooks ride along: ``STARE_E2E_CRASH_AFTER_STEP=N`` makes the policy actor exit right after writing step
-N's checkpoint (a kill, for the resume test), and ``STARE_E2E_SKIP_WEIGHT_LOAD=1`` makes the vLLM worker receive
-each weight sync but load nothing (the negative control of the weight-sync check). ``STARE_E2E_EXTRA_ARGS``
-appends OpenRLHF flags that only a CPU run needs (argparse keeps the last value of a repeated flag).
+Test hooks ride along: ``STARE_E2E_CRASH_AFTER_STEP=N`` makes the policy actor exit right after writing step N's
+checkpoint, and ``STARE_E2E_CRASH_IN_STEP=N`` when it is handed step N's rollouts to train on (kills, for the resume
+tests); ``STARE_E2E_POSITIONS=FILE`` appends to FILE, at every checkpoint, the position OpenRLHF's trainer saves with
+it (episode, global step, prompts consumed, whether the prompt loader ran dry); ``STARE_E2E_SKIP_WEIGHT_LOAD=1`` makes
+the vLLM worker receive each weight sync but load nothing (the negative control of the weight-sync check).
+``STARE_E2E_EXTRA_ARGS`` appends OpenRLHF flags that only a CPU run needs (argparse keeps the last value of a repeated
+flag).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import sys
 
 PATCH_LOG_ENV = "STARE_E2E_PATCH_LOG"
 CRASH_ENV = "STARE_E2E_CRASH_AFTER_STEP"
+CRASH_IN_STEP_ENV = "STARE_E2E_CRASH_IN_STEP"
+POSITIONS_ENV = "STARE_E2E_POSITIONS"
 SKIP_LOAD_ENV = "STARE_E2E_SKIP_WEIGHT_LOAD"
 EXTRA_ARGS_ENV = "STARE_E2E_EXTRA_ARGS"
 CRASH_EXIT_CODE = 17
@@ -211,21 +216,42 @@ def install_flash_attn_standins() -> None:
 # ---- test hooks --------------------------------------------------------------------------------------------------
 def patch_trainer_crash(module) -> None:
     """``STARE_E2E_CRASH_AFTER_STEP=N``: the policy actor exits right after writing step N's checkpoint (DeepSpeed's
-    and the STARE controller state beside it), which fails OpenRLHF's trainer and the driver as a kill would."""
-    step = int(os.environ.get(CRASH_ENV) or 0)
-    if not step:
+    and the STARE controller state beside it), which fails OpenRLHF's trainer and the driver as a kill would.
+    ``STARE_E2E_CRASH_IN_STEP=N``: it exits when asked to train on step N's rollouts (generated, scored, not yet
+    trained: what a kill in the middle of a step loses). ``STARE_E2E_POSITIONS=FILE``: every checkpoint appends one
+    JSON line to FILE with the trainer's saved position (the ``client_states`` OpenRLHF's ``PPOTrainer.fit`` hands
+    to ``save_checkpoint``)."""
+    after = int(os.environ.get(CRASH_ENV) or 0)
+    during = int(os.environ.get(CRASH_IN_STEP_ENV) or 0)
+    positions = os.environ.get(POSITIONS_ENV)
+    if not (after or during or positions):
         return
     cls = module.StarePolicyModelActor
     _expect(cls.save_checkpoint, "save_stare_state", "trainer-crash")
-    original = cls.save_checkpoint
+    original_save, original_fit = cls.save_checkpoint, cls.fit
 
-    def save_checkpoint(self, tag, *args, **kwargs):
-        original(self, tag, *args, **kwargs)
-        if tag == f"global_step{step}":
-            print(f"STARE e2e: exiting after step {step}'s checkpoint", flush=True)
+    def save_checkpoint(self, tag, client_states=None, *args, **kwargs):
+        original_save(self, tag, client_states, *args, **kwargs)
+        if positions and client_states:
+            import json
+
+            loader = client_states.get("data_loader_state_dict") or {}
+            keys = ("episode", "global_step", "total_consumed_prompts")
+            row = {"tag": tag, **{k: client_states.get(k) for k in keys},
+                   "loader_finished": loader.get("_iterator_finished")}
+            with open(positions, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if after and tag == f"global_step{after}":
+            print(f"STARE e2e: exiting after step {after}'s checkpoint", flush=True)
             os._exit(CRASH_EXIT_CODE)
 
-    cls.save_checkpoint = save_checkpoint
+    def fit(self, *args, **kwargs):
+        if during and self.trainer.stare.steps == during - 1:
+            print(f"STARE e2e: exiting with step {during}'s rollouts untrained", flush=True)
+            os._exit(CRASH_EXIT_CODE)
+        return original_fit(self, *args, **kwargs)
+
+    cls.save_checkpoint, cls.fit = save_checkpoint, fit
     _record("trainer-crash")
 
 
