@@ -51,6 +51,10 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
     prepare_run_dir(out, resolved, resume)
     console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> "
                   f"{escape(str(out))}")
+    if resume:
+        from .openrlhf_backend.checkpoint import describe_resume
+
+        errors.plain(console)(describe_resume(out / "ckpt"))
     try:
         orl.start(resolved, launch_plan, log=errors.plain(console))
     except orl.LaunchError as exc:
