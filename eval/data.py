@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .jsonl import read_utf8
+
 DATA_DIR_ENV = "STARE_DATA_DIR"
 HUB = "hub"  # as data_file= / --data-file or as $STARE_DATA_DIR: read the Hugging Face hub
 PACKAGED_DIR = Path(__file__).resolve().with_name("data_files")  # the shipped copies (package data)
@@ -135,15 +137,14 @@ def _read_local(path: Path) -> list[Problem]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows, lines = [], []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
-                lines.append(lineno)
+        for lineno, line in enumerate(read_utf8(path).split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
+            lines.append(lineno)
         return _to_problems(rows, str(path), line_numbers=lines)
     if suffix == ".parquet":
         import pyarrow.parquet as pq

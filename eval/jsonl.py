@@ -1,4 +1,5 @@
-"""JSONL files that a kill may have cut: ``samples.jsonl`` of an evaluation and ``metrics.jsonl`` of a training run.
+"""JSONL files that a kill may have cut: ``samples.jsonl`` of an evaluation and ``metrics.jsonl`` of a training run;
+and ``read_utf8``, the reader of a user's text files (problem files, preset files) that names the line of a bad byte.
 
 A process killed while writing leaves at most its last line cut; that line is dropped (and redone by the resume).
 A line that does not parse anywhere else is damage a resume cannot repair, and is refused naming the file and line.
@@ -34,3 +35,20 @@ def read_cut_jsonl(path: Path, *, error: type[Exception], is_record: Callable[[o
                         "kill; it cannot be resumed: use another --out (nothing was changed)") from None
         records.append(rec)
     return records, cut
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """``data`` as UTF-8 text; a one-line ``ValueError`` naming ``source``, the line and column of the first byte
+    that is not UTF-8, and the byte, otherwise."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(f"{source}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column}); "
+                         "save the file as UTF-8") from None
+
+
+def read_utf8(path: Path) -> str:
+    """The text of a user's file (``decode_utf8``)."""
+    return decode_utf8(Path(path).read_bytes(), str(path))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import re
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
@@ -226,6 +227,14 @@ def _hub_lookup(model: str, timeout: float) -> tuple[bool | None, str]:
         return None, f"the hub cannot be reached ({type(exc).__name__})"
 
 
+def _hub_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        return "the hub cache"
+    return str(constants.HF_HUB_CACHE)
+
+
 def _in_hub_cache(model: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -238,6 +247,16 @@ def _in_hub_cache(model: str) -> bool:
     return isinstance(hit, str)
 
 
+HUB_ID_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """A hub id is ``name`` or ``owner/name`` (``gpt2``, ``Qwen/Qwen2.5-Math-7B``): one or two parts of letters, digits,
+    '.', '_' and '-'. Anything else (``./x``, ``/abs``, ``a/b/c``, ``~/m``) can only be a folder here."""
+    parts = model.split("/")
+    return len(parts) <= 2 and all(HUB_ID_PART.fullmatch(p) and ".." not in p for p in parts)
+
+
 def check_model_source(model: str, flag: str = "--model", timeout: float = 5.0) -> None:
     """A ``--model`` that is not a folder here must be a hub model that can be loaded: on the hub, or in the
     local hub cache when the hub cannot be reached. Otherwise fail with one line naming the path."""
@@ -248,6 +267,6 @@ def check_model_source(model: str, flag: str = "--model", timeout: float = 5.0) 
         return
     where = f"no folder {Path(model).absolute()}"
     if on_hub is None:
-        fail(f"{flag} {model}: {where}, and not a hub model in the local cache ({why}); "
-             f"check the path, or download the model first")
+        fail(f"{flag} {model}: {where}, and no hub model {model!r} in the local hub cache ({_hub_cache_dir()}; "
+             f"{why}); check the path, or download the model first")
     fail(f"{flag} {model}: {where}, and {why}; check the path")

@@ -12,16 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import errors
-from .errors import CliError
+from .errors import CliError, looks_like_hub_id
 from .rundir import final_model
 
 HARNESSES = ("stare", "lm-eval")
-
-
-def looks_like_hub_id(model: str) -> bool:
-    """A hub id has the form owner/name (one slash, not a path: no leading /, ./, ../ or ~); anything else must be a
-    folder that exists."""
-    return model.count("/") == 1 and not model.startswith(("/", "./", "../", "~")) and all(model.split("/"))
 
 
 def model_folder_problem(model: str) -> str | None:
@@ -56,7 +50,7 @@ def eval_target(model: str | None, out: Path | None, bench: str) -> tuple[str, P
         return str(final), out / f"eval-{bench}"
     if not Path(model).exists() and not looks_like_hub_id(model):
         raise ValueError(f"--model {model!r}: no such folder ({Path(model).absolute()}), and not a hub id "
-                         "(owner/name); check the path")
+                         "(name or owner/name); check the path")
     return model, out_dir
 
 

@@ -28,15 +28,16 @@ class SettingsError(ValueError):
 
 
 def _missing_path(value: str) -> bool:
-    """A model setting that is a local path (not owner/name) and does not exist here."""
-    hub_id = value.count("/") == 1 and not value.startswith(("/", "./", "../", "~")) and all(value.split("/"))
-    return not hub_id and not Path(value).expanduser().exists()
+    """A model setting that is a local path (not a hub id, name or owner/name) and does not exist here."""
+    from .errors import looks_like_hub_id
+
+    return not looks_like_hub_id(value) and not Path(value).expanduser().exists()
 
 
 def _cold_start(value: str) -> str | None:
     if value and _missing_path(value):  # a path that is not there is not a hub id to wait for
         return (f"setting 'cold_start_checkpoint' {value}: no such folder ({Path(value).expanduser().absolute()}); "
-                "expected a model folder or a hub id (owner/name)")
+                "expected a model folder or a hub id (name or owner/name)")
     return None
 
 

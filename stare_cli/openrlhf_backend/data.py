@@ -17,6 +17,8 @@ import os
 import re
 from pathlib import Path
 
+from stare.eval.jsonl import read_utf8
+
 _DAPO_HEAD = re.compile(r"^\s*Solve the following math problem step by step\..*?\n\n", re.S)
 _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after \"Answer:\"\.?\s*$", re.S)
 
@@ -58,16 +60,18 @@ def _read_rows(source: str, split: str):
         suffix = path.suffix.lower()
         if suffix == ".jsonl":
             rows = []
-            with path.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
+            for lineno, line in enumerate(read_utf8(path).split("\n"), start=1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
             return rows, str(path)
         if suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                data = json.loads(read_utf8(path))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
             return (data if isinstance(data, list) else [data]), str(path)
         if suffix == ".parquet":
             import pyarrow.parquet as pq
