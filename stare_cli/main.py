@@ -27,7 +27,7 @@ from stare.algorithms import ALGORITHMS
 
 from . import errors
 from .errors import fail  # one line, escaped: rich would eat [...] in user values and hints
-from .presets import PresetError, load_preset, preset_names, resolve
+from .presets import PresetError, load_preset, preset_names, resolve, shipped_preset_text, shipped_presets_dir
 
 app = typer.Typer(
     name="stare",
@@ -66,8 +66,22 @@ def _root(
 
 
 @app.command()
-def presets() -> None:
-    """List the presets shipped in configs/, with their backend and a one-line description."""
+def presets(
+    show: Optional[str] = typer.Option(None, "--show", metavar="NAME",
+                                       help="Print a shipped preset's YAML (a starting point for one's own)."),
+) -> None:
+    """List the presets shipped in configs/, with their backend and a one-line description.
+
+    --preset also takes a path to a YAML file of one's own, checked like a shipped preset: a copy
+    (stare presets --show qwen-7b-short-cot > my.yaml) or a file that starts from a shipped preset
+    (base: qwen-7b-short-cot) and overrides its settings.
+    """
+    if show is not None:
+        try:
+            sys.stdout.write(shipped_preset_text(show))
+        except PresetError as exc:
+            fail(str(exc))
+        return
     table = Table(title="stare presets", show_lines=False)
     table.add_column("preset", style="bold cyan")
     table.add_column("backend")
@@ -80,6 +94,8 @@ def presets() -> None:
             continue
         table.add_row(p.name, p.backend, escape(p.description))
     console.print(table)
+    errors.plain(console)(f"shipped presets: {shipped_presets_dir()}; --preset also takes a path to a preset YAML "
+                          "file (stare presets --show NAME prints one to start from)")
 
 
 @app.command()
@@ -112,7 +128,7 @@ def _dump(data: dict) -> None:
 
 @app.command()
 def train(
-    preset: str = typer.Option(..., "--preset", "-p", help="Preset name (see `stare presets`)."),
+    preset: str = typer.Option(..., "--preset", "-p", help="Preset name (see `stare presets`) or path to a preset YAML file."),
     algo: str = typer.Option("stare", "--algo", "-a", help="Algorithm (see `stare algos`)."),
     set_: Optional[List[str]] = typer.Option(
         None, "--set", help="Override a preset or algorithm setting, e.g. --set w=1.5 --set steps=50. Repeatable."
@@ -140,7 +156,7 @@ def train(
     if ray_address is not None and not ray_address.strip():  # given empty: not "start a head here"
         fail("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start a Ray head "
              "here)")
-    run_dir = out or Path("runs") / f"{preset}-{algo}"
+    run_dir = out or Path("runs") / f"{resolved['preset']}-{algo}"
     errors.check_out_dir(run_dir)
     if resolved["backend"] == "openrlhf":
         from . import openrlhf_train
@@ -177,7 +193,7 @@ def _held_out_line(result: dict) -> str:
 
 @app.command()
 def run(
-    preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A local preset (see `stare presets`)."),
+    preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A local preset (see `stare presets`) or path to a preset YAML file."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: runs/PRESET)."),
     algos: Optional[str] = typer.Option(None, "--algos", help="Comma-separated arms (default: the preset's list)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", min=1, help="Seeds per arm (default: the preset's)."),
@@ -196,7 +212,7 @@ def run(
         arm_set = resolve_run_set(preset, set_ or [], algos=algos, seeds=seeds)
     except PresetError as exc:
         fail(str(exc))
-    out = out or Path("runs") / preset
+    out = out or Path("runs") / arm_set.preset
     from .local.runner import run_set
 
     plots = run_set(arm_set, out, resume=resume, parallel=parallel, console=console)

@@ -12,9 +12,18 @@ A preset file holds:
 
 ``--set`` accepts a preset setting or an algorithm setting (``stare algos --settings`` lists those). Each value
 is read by its setting's row (``Setting.parse``: a YAML scalar of the setting's type) and checked against it.
+
+``--preset`` also takes a path to a preset file of one's own (a name ending in .yaml or .yml, or holding a path
+separator), checked by the same schema. Such a file may be a whole preset (a copy of ``stare presets --show NAME``)
+or start from a shipped one: ``base: NAME`` takes that preset's fields, and the file's ``settings`` and
+``algorithms`` entries replace the base's key by key. Its ``name`` defaults to the file's stem. A resolved run
+records the file's absolute path and SHA-256 (``preset_file``), so a run stays traceable after the file changes.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,12 +32,15 @@ import yaml
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES, get_algorithm
 from stare.algorithms.settings import ALGO_SCHEMA, Setting
+from stare.eval.jsonl import decode_utf8
 
 from .gpu_schema import SCHEMA as GPU_SCHEMA
 from .local_schema import SCHEMA as LOCAL_SCHEMA, LocalSettingsError, check_local_settings
 
 BACKENDS = ("local", "openrlhf")
 REQUIRED = {"name": str, "description": str, "backend": str, "settings": dict}
+PRESET_FILE_SUFFIXES = (".yaml", ".yml")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a preset's name is part of run folder names
 
 
 class PresetError(ValueError):
@@ -42,6 +54,7 @@ class Preset:
     backend: str
     settings: dict
     algorithms: dict = field(default_factory=dict)
+    file: dict | None = None  # a preset file of one's own: {"path": absolute path, "sha256": of its bytes}
 
 
 def load_yaml(text: str, *, source: str):
@@ -69,18 +82,100 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_preset(name: str) -> Preset:
+def shipped_presets_dir() -> str:
+    """Where the shipped preset files are (the installed package's configs/)."""
+    return str(resources.files("stare.configs"))
+
+
+def is_preset_file(name: str) -> bool:
+    """``--preset`` names a file (not a shipped preset) when it ends in .yaml/.yml or holds a path separator."""
+    return name.lower().endswith(PRESET_FILE_SUFFIXES) or "/" in name or os.sep in name
+
+
+def shipped_preset_text(name: str) -> str:
     names = preset_names()
     if name not in names:
-        raise PresetError(f"unknown preset {name!r}; valid presets: {', '.join(names)}")
-    text = resources.files("stare.configs").joinpath(f"{name}.yaml").read_text()
+        raise PresetError(f"unknown preset {name!r}; valid presets: {', '.join(names)} (or a path to a preset "
+                          "YAML file)")
+    return resources.files("stare.configs").joinpath(f"{name}.yaml").read_text()
+
+
+def load_preset(name: str) -> Preset:
+    """A shipped preset by name, or a preset file by path (``is_preset_file``)."""
+    if is_preset_file(name):
+        return load_preset_file(Path(name))
+    text = shipped_preset_text(name)
     return parse_preset(text, source=f"{name}.yaml", expected_name=name)
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file; one-line ``ValueError`` naming the file (and the line and byte) when it is missing, a
+    folder, or not UTF-8."""
+    if path.is_dir():
+        raise PresetError(f"{what} {path} is a folder; expected a file")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise PresetError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise PresetError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return decode_utf8(data, str(path))
+    except ValueError as exc:
+        raise PresetError(str(exc)) from None
+
+
+def load_preset_file(path: Path) -> Preset:
+    """A preset file of one's own, whole or on a shipped ``base``; the same checks as a shipped preset."""
+    text = read_text_file(path, "preset file")
+    source = str(path)
+    data = load_yaml(text, source=f"preset {source}")
+    if not isinstance(data, dict):
+        raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
+    data = dict(data)
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str) or is_preset_file(base) or base not in preset_names():
+            raise PresetError(f"preset {source}: base {base!r} is not a shipped preset; valid bases: "
+                              f"{', '.join(preset_names())}")
+        data = _on_base(load_yaml(shipped_preset_text(base), source=f"preset {base}.yaml"), data, source)
+    data.setdefault("name", path.stem)
+    if not isinstance(data["name"], str) or not NAME_RE.fullmatch(data["name"]):
+        raise PresetError(f"preset {source}: name {data['name']!r} must be letters, digits, '.', '_' or '-' (it "
+                          "names run folders)")
+    preset = parse_preset_data(data, source=source)
+    preset.file = {"path": str(path.absolute()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return preset
+
+
+def _on_base(base: dict, own: dict, source: str) -> dict:
+    """The base preset's fields with the file's on top: ``settings`` and each algorithm's overrides key by key."""
+    for key in ("settings", "algorithms"):
+        if key in own and not isinstance(own[key], dict):
+            raise PresetError(f"preset {source}: field {key!r} must be a mapping, got {type(own[key]).__name__}")
+    if "backend" in own and own["backend"] != base["backend"]:
+        raise PresetError(f"preset {source}: backend {own['backend']!r} differs from its base's "
+                          f"({base['backend']!r}); a preset on a base keeps the base's backend")
+    merged = {**{k: v for k, v in base.items() if k != "name"},  # the base's name is not this preset's
+              **{k: v for k, v in own.items() if k not in ("settings", "algorithms")}}
+    merged["settings"] = {**base["settings"], **(own.get("settings") or {})}
+    algos = {a: dict(o) for a, o in (base.get("algorithms") or {}).items()}
+    for algo, overrides in (own.get("algorithms") or {}).items():
+        if not isinstance(overrides, dict):
+            raise PresetError(f"preset {source}: algorithms.{algo} must be a mapping of settings")
+        algos[algo] = {**algos.get(algo, {}), **overrides}
+    merged["algorithms"] = algos
+    return merged
 
 
 def parse_preset(text: str, *, source: str, expected_name: str | None = None) -> Preset:
     data = load_yaml(text, source=f"preset {source}")
     if not isinstance(data, dict):
         raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
+    return parse_preset_data(data, source=source, expected_name=expected_name)
+
+
+def parse_preset_data(data: dict, *, source: str, expected_name: str | None = None) -> Preset:
     for key, typ in REQUIRED.items():
         if key not in data:
             raise PresetError(f"preset {source} is missing the field {key!r}")
@@ -183,4 +278,7 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
             settings = check_settings(settings, f"{preset.name} (with --set)")
     except ValueError as exc:
         raise PresetError(str(exc)) from None
-    return {"preset": preset.name, "backend": preset.backend, "algo": algo_cfg.to_dict(), "settings": settings}
+    resolved = {"preset": preset.name, "backend": preset.backend, "algo": algo_cfg.to_dict(), "settings": settings}
+    if preset.file:
+        resolved["preset_file"] = dict(preset.file)
+    return resolved

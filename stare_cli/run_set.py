@@ -50,4 +50,4 @@ def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, s
     first = resolve(preset, arms[0] if arms else parse_arms(p.settings["algos"], "algos")[0], sets)
     arms = arms or parse_arms(first["settings"]["algos"], "--set algos")
     resolved = {a: first if a == first["algo"]["name"] else resolve(preset, a, sets) for a in arms}
-    return RunSet(preset, arms, seeds or first["settings"]["seeds"], resolved)
+    return RunSet(p.name, arms, seeds or first["settings"]["seeds"], resolved)  # a file preset: its name

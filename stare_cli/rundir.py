@@ -86,9 +86,10 @@ RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard", "keep_checkpoint_ev
 
 
 def _comparable(config: dict) -> dict:
-    """A run's config less ``RESUMABLE_CHANGES``; local settings newer than the folder read as
-    ``LOCAL_SETTINGS_BEFORE``."""
+    """A run's config less ``RESUMABLE_CHANGES`` and the preset file's record; local settings newer than the
+    folder read as ``LOCAL_SETTINGS_BEFORE``."""
     out = {**config, "settings": config.get("settings") or {}}
+    out.pop("preset_file", None)  # a preset file may change (a comment, a moved file): the settings decide
     for section, keys in RESUMABLE_CHANGES.items():
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k not in keys}

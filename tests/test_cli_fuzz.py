@@ -36,6 +36,18 @@ UNICODE = "ünï©ødé✓"
 # path placeholders, made in the scratch folder by the test
 FILE, BELOW_FILE, FOLDER, MISSING, UNWRITABLE = "<FILE>", "<BELOW_FILE>", "<FOLDER>", "<MISSING>", "<UNWRITABLE>"
 MODEL, DATA, NOCONFIG, RUN = "<MODEL>", "<DATA>", "<NOCONFIG>", "<RUN>"
+PRESETS = "<PRESETS>"  # a folder of bad preset files of one's own (BAD_PRESET_FILES), and one that is not there
+BAD_PRESET_FILES = {
+    "list.yaml": b"- a list\n", "bad-yaml.yaml": b"a: [\n", "empty.yaml": b"", "not-utf8.yaml": b"base: tiny-cpu\n\xff\n",
+    "unknown-field.yaml": b"base: tiny-cpu\nbogus: 1\n", "bad-base.yaml": b"base: nope\n",
+    "base-a-path.yaml": b"base: ./list.yaml\n", "bad-value.yaml": b"base: tiny-cpu\nsettings: {steps: 0}\n",
+    "bad-type.yaml": b"base: tiny-cpu\nsettings: {steps: many}\n", "settings-list.yaml": b"base: tiny-cpu\nsettings: [1]\n",
+    "other-backend.yaml": b"base: tiny-cpu\nbackend: openrlhf\n", "bad-name.yaml": b"base: tiny-cpu\nname: 'a/b'\n",
+    "bad-algo.yaml": b"base: tiny-cpu\nalgorithms: {nope: {}}\n", "bad-algo-value.yaml": b"base: tiny-cpu\nalgorithms: "
+    b"{grpo: {clip_high: -1}}\n", "gpu-bad.yaml": b"base: qwen-7b-short-cot\nsettings: {zero_stage: 4}\n",
+    "no-description.yaml": b"name: x\nbackend: local\nsettings: {}\n",
+}
+PRESET_FILE_VALUES = [f"{PRESETS}/{name}" for name in BAD_PRESET_FILES] + [f"{PRESETS}/missing.yaml", PRESETS]
 
 TRAIN = ["train", "--preset", "tiny-cpu", "--algo", "grpo"]
 TRAIN_GPU = ["train", "--preset", "qwen-7b-short-cot", "--algo", "stare", "--dry-run"]
@@ -122,13 +134,13 @@ def set_cases() -> list[tuple[str, list[str], str | None]]:
 def option_cases() -> list[tuple[str, list[str], str | None]]:
     out_paths = [FILE, BELOW_FILE, UNWRITABLE, f"{UNWRITABLE}/new"]
     table = {  # command base -> {flag: bad values}
-        "train": (TRAIN, {"--preset": ["nope", "", UNICODE], "--algo": ["nope", "", UNICODE, "GRPO"],
+        "train": (TRAIN, {"--preset": ["nope", "", UNICODE, *PRESET_FILE_VALUES], "--algo": ["nope", "", UNICODE, "GRPO"],
                           "--out": out_paths, "--ray-address": ["host:1"]}),
-        "train-dry": ([*TRAIN, "--dry-run"], {"--preset": ["nope", ""], "--algo": ["nope", ""],
+        "train-dry": ([*TRAIN, "--dry-run"], {"--preset": ["nope", "", *PRESET_FILE_VALUES], "--algo": ["nope", ""],
                                               "--out": out_paths, "--ray-address": ["host:1"]}),
         "train-gpu": (TRAIN_GPU, {"--ray-address": ["bad", "", UNICODE, "host:port", "host:0x"],
                                   "--out": out_paths}),
-        "run": (RUN_CMD, {"--preset": ["nope", "", UNICODE, "qwen-7b-short-cot"],
+        "run": (RUN_CMD, {"--preset": ["nope", "", UNICODE, "qwen-7b-short-cot", *PRESET_FILE_VALUES],
                           "--algos": ["", "nope", "grpo,grpo", ",", UNICODE],
                           "--seeds": ["0", "-1", "x", "", "1.5", UNICODE], "--parallel": ["0", "-2", "x", ""],
                           "--out": out_paths}),
@@ -143,6 +155,7 @@ def option_cases() -> list[tuple[str, list[str], str | None]]:
                         "--tools": ["nope", "", UNICODE], "--engines": ["0", "-1", "x", "", "1.5"],
                         "--ray-address": [""], "--checkpoints": ["nope", "", "every:0", "every:x", "every:-2", UNICODE]}),
         "compare": (COMPARE, {"--out": out_paths, "--baseline": ["nope", "", UNICODE, "DAPO"]}),
+        "presets": (["presets"], {"--show": ["nope", "", UNICODE, "tiny-cpu.yaml", PRESETS]}),
     }
     cases = []
     for name, (base, flags) in table.items():
@@ -209,6 +222,9 @@ def scratch(tmp_path, monkeypatch):
     (tmp_path / "arun" / "config.yaml").write_text("preset: tiny-cpu\nbackend: local\nalgo: {name: dapo}\n"
                                                    "settings: {model: tiny, task: reverse}\n")
     (tmp_path / "arun" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5, "stare/entropy": 0.4}\n')
+    (tmp_path / "presets").mkdir()
+    for name, data in BAD_PRESET_FILES.items():
+        (tmp_path / "presets" / name).write_bytes(data)
     ro = tmp_path / "ro"
     real_access = os.access
     # an unwritable folder: access(2) answers as on a read-only file system (root ignores permissions)
@@ -216,7 +232,7 @@ def scratch(tmp_path, monkeypatch):
                         else real_access(p, mode))
     paths = {FILE: tmp_path / "a-file.txt", BELOW_FILE: tmp_path / "a-file.txt" / "sub", FOLDER: tmp_path / "folder",
              MISSING: tmp_path / "no" / "such", UNWRITABLE: ro, MODEL: tmp_path / "model", DATA: tmp_path / "data.jsonl",
-             NOCONFIG: tmp_path / "noconfig", RUN: tmp_path / "arun"}
+             NOCONFIG: tmp_path / "noconfig", RUN: tmp_path / "arun", PRESETS: tmp_path / "presets"}
     return tmp_path, paths
 
 

@@ -141,6 +141,19 @@ def _words(line: str) -> list[str]:
     return list(lex)
 
 
+def _without_redirections(words: list[str]) -> list[str]:
+    """The words less output redirections (``> FILE``, ``>> FILE``, ``2> FILE``, ``>FILE``), as bash strips them."""
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif re.fullmatch(r"[12]?>>?", w):
+            skip = True
+        elif not re.match(r"^[12]?>>?.", w):
+            out.append(w)
+    return out
+
+
 def stare_commands(path: Path):
     """Each `stare ...` invocation in the page's bash blocks, as its argument list (after `stare`). A line is cut
     at `&&`, `||`, `;`, `|`; leading VAR=value assignments are dropped; `docker run ... stare:TAG ARGS` (the
@@ -160,6 +173,7 @@ def stare_commands(path: Path):
                     seg.append(w)
             segments.append(seg)
             for seg in segments:
+                seg = _without_redirections(seg)
                 while seg and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", seg[0]):
                     seg = seg[1:]
                 if seg and seg[0] == "stare":
@@ -215,7 +229,9 @@ def test_every_stare_command_in_a_bash_block_parses(line, args):
         from stare.algorithms import ALGORITHMS
         from stare.cli.presets import preset_names
 
-        if params.get("preset") is not None:
+        from stare.cli.presets import is_preset_file
+
+        if params.get("preset") is not None and not is_preset_file(params["preset"]):  # a file: the docs' own
             assert params["preset"] in preset_names(), f"{line}: unknown preset {params['preset']!r}"
         algos = [params["algo"]] if params.get("algo") else (params.get("algos") or "").split(",")
         unknown = [a for a in algos if a and a not in ALGORITHMS]
