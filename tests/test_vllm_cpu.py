@@ -287,12 +287,9 @@ def test_tool_run_counts_and_summary(tools_run, tokenizer):
         # block of its own, which is not one
         obs = end + "\n<|im_start|>user\n```output\n"
         assert r["tool_calls"] == r["response"].count(obs)
-        # the budget covers model turns (with their end tokens) and tool output together; a tool runs while any
-        # budget is left and its whole observation is appended, so only the last one can overshoot, and then
-        # the episode ends there
-        assert 0 < r["num_tokens"] <= TOOL_MAX_TOKENS
-        if r["num_tokens"] + r["tool_output_tokens"] > TOOL_MAX_TOKENS:
-            assert r["done_reason"] in ("token_budget", "context") and r["tool_calls"] >= 1
+        # the budget covers model turns (with their end tokens) and tool output together: an observation that does
+        # not fit is cut to the room left and ends the sample (agent/multiturn.py), so the two never exceed it
+        assert 0 < r["num_tokens"] and r["num_tokens"] + r["tool_output_tokens"] <= TOOL_MAX_TOKENS
         if r["tool_calls"] == 0:
             text = r["response"]
             stopped = text.endswith(end)
@@ -307,7 +304,12 @@ def test_tool_run_counts_and_summary(tools_run, tokenizer):
             observation = rest.split("\n```", 1)[0]
             ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
             if ran.returncode == 0 and not ran.stderr and len(ran.stdout) < 1000:
-                assert observation == (ran.stdout.rstrip("\n") or "(no output)")
+                want = ran.stdout.rstrip("\n") or "(no output)"
+                if "\n```" not in rest:  # the observation was cut to the budget left, and ended the sample there
+                    assert r["truncated"] and r["done_reason"] in ("token_budget", "context"), r
+                    assert observation and want.startswith(observation), (observation, want)
+                else:
+                    assert observation == want
     assert any(r["tool_calls"] for r in rows), "no sample called the tool: the vLLM tool path was not exercised"
     assert summary["mean_turns"] == pytest.approx(sum(r["turns"] for r in rows) / len(rows))
     assert summary["mean_tool_calls"] == pytest.approx(sum(r["tool_calls"] for r in rows) / len(rows))
