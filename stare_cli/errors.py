@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 import re
+import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 

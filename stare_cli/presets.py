@@ -108,26 +108,26 @@ def load_preset(name: str) -> Preset:
     return parse_preset(text, source=f"{name}.yaml", expected_name=name)
 
 
-def read_text_file(path: Path, what: str) -> str:
-    """A UTF-8 text file; one-line ``ValueError`` naming the file (and the line and byte) when it is missing, a
-    folder, or not UTF-8."""
+def _read_preset_file(path: Path) -> tuple[str, bytes]:
+    """A preset file's text and the bytes it was decoded from (read once: the hash is of what was parsed); one-line
+    ``PresetError`` naming the file (and the line and byte) when it is missing, a folder, or not UTF-8."""
     if path.is_dir():
-        raise PresetError(f"{what} {path} is a folder; expected a file")
+        raise PresetError(f"preset file {path} is a folder; expected a file")
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise PresetError(f"{what} not found: {path}") from None
+        raise PresetError(f"preset file not found: {path}") from None
     except OSError as exc:
-        raise PresetError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+        raise PresetError(f"preset file {path} cannot be read ({exc.strerror or exc})") from None
     try:
-        return decode_utf8(data, str(path))
+        return decode_utf8(data, str(path)), data
     except ValueError as exc:
         raise PresetError(str(exc)) from None
 
 
 def load_preset_file(path: Path) -> Preset:
     """A preset file of one's own, whole or on a shipped ``base``; the same checks as a shipped preset."""
-    text = read_text_file(path, "preset file")
+    text, raw = _read_preset_file(path)
     source = str(path)
     data = load_yaml(text, source=f"preset {source}")
     if not isinstance(data, dict):
@@ -135,16 +135,17 @@ def load_preset_file(path: Path) -> Preset:
     data = dict(data)
     base = data.pop("base", None)
     if base is not None:
-        if not isinstance(base, str) or is_preset_file(base) or base not in preset_names():
+        names = preset_names()
+        if base not in names:  # a path or a .yaml name is never one of them
             raise PresetError(f"preset {source}: base {base!r} is not a shipped preset; valid bases: "
-                              f"{', '.join(preset_names())}")
+                              f"{', '.join(names)}")
         data = _on_base(load_yaml(shipped_preset_text(base), source=f"preset {base}.yaml"), data, source)
     data.setdefault("name", path.stem)
     if not isinstance(data["name"], str) or not NAME_RE.fullmatch(data["name"]):
         raise PresetError(f"preset {source}: name {data['name']!r} must be letters, digits, '.', '_' or '-' (it "
                           "names run folders)")
     preset = parse_preset_data(data, source=source)
-    preset.file = {"path": str(path.absolute()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    preset.file = {"path": str(path.absolute()), "sha256": hashlib.sha256(raw).hexdigest()}
     return preset
 
 
