@@ -15,6 +15,8 @@ from pathlib import Path
 
 from stare.algorithms.settings import REQUIRED, Setting, schema
 
+from .local_schema import check_algos
+
 AGENTS = ("", "python")  # "" (single turn) | "python" (the sandboxed Python tool agent)
 # the tool sandbox's isolations (stare.cli.agent.sandbox.ISOLATION_MODES; a test keeps the two equal): the
 # sandbox module is not imported here, so that stare algos stays light
@@ -38,6 +40,25 @@ def _cold_start(value: str) -> str | None:
     if value and _missing_path(value):  # a path that is not there is not a hub id to wait for
         return (f"setting 'cold_start_checkpoint' {value}: no such folder ({Path(value).expanduser().absolute()}); "
                 "expected a model folder or a hub id (name or owner/name)")
+    return None
+
+
+def _check_benches(value: str) -> str | None:
+    benches = [b.strip() for b in value.split(",") if b.strip()]
+    unknown = [b for b in benches if b not in EVAL_BENCHES]
+    if unknown or not benches:
+        return (f"setting 'benches' {value!r}: unknown benchmark {unknown[0] if unknown else value!r}; valid "
+                f"benchmarks (comma-separated): {', '.join(EVAL_BENCHES)}")
+    if len(set(benches)) != len(benches):
+        return f"setting 'benches' lists a benchmark twice: {value!r}"
+    return None
+
+
+def _check_protocol(value: str) -> str | None:
+    from stare.eval.harness import PROTOCOLS  # no torch import: the eval package loads torch lazily
+
+    if value not in PROTOCOLS:
+        return f"setting 'eval_protocol' must be one of {', '.join(PROTOCOLS)} (stare eval --protocol), got {value!r}"
     return None
 
 
@@ -99,6 +120,16 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("wandb_project", str, "", "non-empty: also log to this W&B project ($WANDB_API_KEY)"),
     Setting("ray_dashboard", bool, False, "start the Ray dashboard with the Ray head started here (off by default: it "
             "can stall a small machine's start; a joined cluster's head decides for itself)"),
+    # stare run: the arms, seeds and evaluation of the comparison (nothing a training reads)
+    Setting("algos", str, "grpo,dapo,stare", "stare run: the arms trained (comma-separated algorithms)",
+            check=check_algos, valid_text="comma-separated algorithms (stare algos)"),
+    Setting("seeds", int, 1, "stare run: seeds per arm (seed, seed + 1, ...)", low=1),
+    Setting("benches", str, "aime24,aime25", "stare run: the benchmarks each final model is evaluated on (stare "
+            "eval --bench; the flag --bench overrides)", check=_check_benches,
+            valid_text="comma-separated benchmarks of stare eval"),
+    Setting("eval_protocol", str, "stare", "stare run: the sampling protocol of those evaluations (stare eval "
+            "--protocol: k, temperature, top_p, response limit)", check=_check_protocol,
+            valid_text="a protocol of stare eval --protocol"),
     # multi-turn tool use (the qwen-7b-tool-use preset)
     Setting("agent", str, "", "'' (single turn) or python (multi-turn sandboxed Python tool use)", choices=AGENTS),
     Setting("tool_max_turns", int, 4, "tool use: turns per episode"),

@@ -21,7 +21,7 @@ TINY_HEADS = 4  # local/policy.py build_tiny_model: attention heads of the tiny 
 MAX_SEED = 2**32 - 1
 
 
-def _check_algos(value: str) -> str | None:
+def check_algos(value: str) -> str | None:
     from stare.algorithms import ALGORITHMS
 
     arms = [a.strip() for a in value.split(",") if a.strip()]
@@ -43,7 +43,7 @@ LOCAL_SETTINGS: list[Setting] = [
             "SmolLM2-135M-Instruct)", choices=MODELS),
     Setting("seed", int, 0, "seed of the first arm; stare run adds 1 per extra seed", low=0, high=MAX_SEED),
     Setting("algos", str, "grpo,dapo,stare,stare-phi", "stare run: the arms trained (comma-separated algorithms)",
-            check=_check_algos, valid_text="comma-separated algorithms (stare algos)"),
+            check=check_algos, valid_text="comma-separated algorithms (stare algos)"),
     Setting("seeds", int, 1, "stare run: seeds per arm", low=1),
     Setting("steps", int, 200, "RL steps per arm", low=1),
     Setting("prompts_per_step", int, 16, "prompts sampled per RL step", low=1),

@@ -193,18 +193,42 @@ def _held_out_line(result: dict) -> str:
 
 @app.command()
 def run(
-    preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A local preset (see `stare presets`) or path to a preset YAML file."),
+    preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A preset (see `stare presets`) or path to a "
+                                                                  "preset YAML file: local or GPU."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: runs/PRESET)."),
     algos: Optional[str] = typer.Option(None, "--algos", help="Comma-separated arms (default: the preset's list)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", min=1, help="Seeds per arm (default: the preset's)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a setting for every arm. Repeatable."),
-    parallel: int = typer.Option(2, "--parallel", min=1, help="Arms trained at a time (one CPU thread each)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: finished arms are kept."),
+    parallel: Optional[int] = typer.Option(
+        None, "--parallel", min=1, help="Arms at a time. Local presets: worker processes, one CPU thread each "
+        "(default 2). GPU presets: arms' OpenRLHF jobs at once on the --ray-address cluster, checked against its "
+        "GPUs before anything starts (default 1)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: finished trainings and "
+                                "evaluations are kept, interrupted ones continue, failed ones are retried."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan as one JSON object (every step, its "
+                                 "command and whether it is kept, resumed or new) and exit; nothing is written."),
+    bench: Optional[str] = typer.Option(None, "--bench", "-b", help="GPU presets: comma-separated benchmarks each "
+                                        "final model is evaluated on (default: the preset's benches setting)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="GPU presets: run every training and "
+                                              "evaluation on this Ray cluster (HOST:PORT, ray://HOST:PORT or auto). "
+                                              "Default: each starts a Ray head on this node."),
+    engines: int = typer.Option(1, "--engines", min=1, help="GPU presets, evaluation: engines per stare eval."),
+    tp: int = typer.Option(1, "--tp", min=1, help="GPU presets, evaluation: tensor parallel size per engine."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="GPU presets, evaluation: vllm or hf (default: "
+                                          "stare eval's)."),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="GPU presets, evaluation: samples per problem "
+                                    "(default: the protocol's, setting eval_protocol)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="GPU presets, evaluation: response "
+                                             "limit (default: the protocol's)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="GPU presets, evaluation: only the first N "
+                                        "problems of each benchmark."),
 ) -> None:
-    """Train every arm (GRPO, DAPO, STARE, ...) on a local preset, evaluate them, compare, plot.
+    """Train every arm (GRPO, DAPO, STARE, ...) x seed, evaluate them, compare, plot: the whole comparison.
 
-    Writes DIR/<arm>/ per arm (DIR/<arm>/seed<S>/ with several seeds), DIR/comparison.md and .csv, and
-    DIR/entropy.png, reward.png, response_length.png.
+    Local presets train here: DIR/<arm>/ per arm (DIR/<arm>/seed<S>/ with several seeds). GPU presets run one
+    `stare train` (OpenRLHF) per arm and seed into DIR/<arm>/seed<S>/, then `stare eval` of each final model on
+    every benchmark into DIR/<arm>/seed<S>/eval-<bench>/ (logs in DIR/logs/); a failed step is reported and the
+    others go on. Both write DIR/comparison.md, .csv, .json and the plots. --resume continues either.
     """
     from .run_set import resolve_run_set
 
@@ -213,12 +237,83 @@ def run(
     except PresetError as exc:
         fail(str(exc))
     out = out or Path("runs") / arm_set.preset
+    errors.check_out_dir(out)
+    if arm_set.backend == "openrlhf":
+        _run_cluster(arm_set, out, preset=preset, sets=set_ or [], parallel=parallel or 1, resume=resume,
+                     dry_run=dry_run, bench=bench, ray_address=ray_address, engines=engines, tp=tp, backend=backend,
+                     k=k, max_tokens=max_tokens, limit=limit)
+        return
+    given = [flag for flag, value in (("--bench", bench), ("--ray-address", ray_address), ("--backend", backend),
+                                      ("--k", k), ("--max-tokens", max_tokens), ("--limit", limit),
+                                      ("--engines", None if engines == 1 else engines),
+                                      ("--tp", None if tp == 1 else tp)) if value is not None]
+    if given:
+        fail(f"{given[0]} is for GPU presets; {arm_set.preset!r} is a local preset, evaluated on its own held-out "
+             "problems (its eval_* settings)")
+    if dry_run:
+        from .local.runner import arm_dirs
+
+        _dump({"preset": arm_set.preset, "out": str(out), "arms": arm_set.arms, "seeds": arm_set.seeds,
+               "runs": [{"arm": a, "seed": arm_set.settings["seed"] + s, "out": str(d),
+                         "state": "kept" if (d / "eval.json").exists() else "resume" if (d / "config.yaml").exists()
+                         else "new"} for (a, s), d in arm_dirs(out, arm_set.arms, arm_set.seeds).items()]})
+        return
     from .local.runner import run_set
 
-    plots = run_set(arm_set, out, resume=resume, parallel=parallel, console=console)
+    plots = run_set(arm_set, out, resume=resume, parallel=parallel or 2, console=console)
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out}/comparison.md, comparison.csv" + "".join(f", {p.name}" for p in plots),
                   markup=False, highlight=False)
+
+
+def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: int, resume: bool, dry_run: bool,
+                 bench: Optional[str], ray_address: Optional[str], engines: int, tp: int, backend: Optional[str],
+                 k: Optional[int], max_tokens: Optional[int], limit: Optional[int]) -> None:
+    """``stare run`` on a GPU preset (``stare.cli.cluster_run``): plan, then train, evaluate and compare."""
+    from . import cluster_run as cr
+    from .openrlhf_train import check_training_stack
+
+    if ray_address is not None and not ray_address.strip():
+        fail("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start a Ray head "
+             "per training here)")
+    settings = arm_set.settings
+    benches_text = bench if bench is not None else settings["benches"]
+    benches = [b.strip() for b in benches_text.split(",") if b.strip()]
+    if not benches or len(set(benches)) != len(benches):
+        fail(f"--bench {benches_text!r}: expected distinct comma-separated benchmarks, e.g. aime24,aime25")
+    evals = cr.EvalOptions(benches, settings["eval_protocol"], k=k, max_tokens=max_tokens, limit=limit,
+                           backend=backend, engines=engines, tp=tp)
+    plan = cr.plan_cluster_run(arm_set, out, preset_arg=preset, sets=sets, evals=evals, ray_address=ray_address,
+                               resume=resume, parallel=parallel)
+    if dry_run:
+        _dump(plan.to_json())
+        return
+    check_training_stack()
+    if ray_address:
+        from .openrlhf_backend import launch as orl
+
+        try:
+            orl.check_ray_address(ray_address)
+        except orl.LaunchError as exc:
+            fail(str(exc))
+    cr.check_cluster(plan)
+    say = errors.plain(console)
+    say(f"stare run {arm_set.preset}: {', '.join(arm_set.arms)} x {arm_set.seeds} seed(s), evaluated on "
+        f"{', '.join(benches)} -> {plan.out} ({plan.to_json()['to_run']} step(s) to run, "
+        f"{plan.to_json()['kept']} kept)")
+    failures = cr.run_cluster(plan, say)
+    compared = cr.write_report(plan)
+    if compared:
+        console.print((plan.out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
+        say(f"wrote {plan.out}/comparison.md, comparison.csv, comparison.json and the plots ({len(compared)} run(s))")
+    if failures:
+        for line in failures:
+            errors.err_console.print(f"failed: {line}", markup=False, highlight=False, soft_wrap=True)
+        import shlex
+
+        again = sys.argv[1:] + ([] if "--resume" in sys.argv else ["--resume"])
+        fail(f"{len(failures)} step(s) failed (above, and in the table's notes); fix and continue with: stare "
+             f"{shlex.join(again)}", code=1)
 
 
 @app.command("eval")

@@ -29,7 +29,6 @@ def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
 def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_address: str | None,
           console: Console) -> None:
     """Check, make the run folder, start OpenRLHF (returns when training ends)."""
-    from .openrlhf_backend import OpenRLHFVersionError
     from .openrlhf_backend import launch as orl
     from .rundir import RunDirError, check_run_dir, prepare_run_dir
 
@@ -41,13 +40,7 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         raise CliError(str(exc)) from None
     if resolved["settings"].get("agent") and not ray_address:  # the rollout actors run here: so does the sandbox
         _check_tool_sandbox(launch_plan["ray"]["runtime_env"]["env_vars"])
-    try:
-        from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
-    except ImportError as exc:
-        raise CliError(f"the GPU training stack is not installed ({exc}); pip install 'stare[openrlhf]' or use the "
-                       "Docker image (see the README)", code=1) from None
-    except OpenRLHFVersionError as exc:
-        raise CliError(str(exc), code=1) from None
+    check_training_stack()
     prepare_run_dir(out, resolved, resume)
     console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> "
                   f"{escape(str(out))}")
@@ -59,6 +52,19 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         orl.start(resolved, launch_plan, log=errors.plain(console))
     except orl.LaunchError as exc:
         raise CliError(str(exc)) from None
+
+
+def check_training_stack() -> None:
+    """OpenRLHF (at its pinned version) and what it needs import here; ``CliError`` (exit 1) otherwise."""
+    from .openrlhf_backend import OpenRLHFVersionError
+
+    try:
+        from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
+    except ImportError as exc:
+        raise CliError(f"the GPU training stack is not installed ({exc}); pip install 'stare[openrlhf]' or use the "
+                       "Docker image (see the README)", code=1) from None
+    except OpenRLHFVersionError as exc:
+        raise CliError(str(exc), code=1) from None
 
 
 def _check_tool_sandbox(worker_env: dict[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""What ``stare run`` trains: the arms and the seeds per arm of a local preset, each arm's settings resolved.
+"""What ``stare run`` trains: the arms and the seeds per arm of a preset (local or GPU), each arm's settings resolved.
 
 The arms are ``--algos`` when given, else the preset's ``algos`` setting; the seeds ``--seeds``, else the ``seeds``
 setting. Both settings take ``--set`` like any other and are checked by ``stare.cli.presets.resolve`` (the
@@ -19,6 +19,12 @@ class RunSet:
     arms: list[str]
     seeds: int
     resolved: dict[str, dict]  # arm -> its resolved settings (presets.resolve)
+    backend: str = "local"  # local | openrlhf (the preset's)
+
+    @property
+    def settings(self) -> dict:
+        """The run settings the arms share (the preset's, ``--set`` applied)."""
+        return next(iter(self.resolved.values()))["settings"]
 
 
 def parse_arms(text: str, flag: str = "--algos") -> list[str]:
@@ -39,15 +45,12 @@ def parse_arms(text: str, flag: str = "--algos") -> list[str]:
 
 def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, seeds: int | None = None) -> RunSet:
     """The arms (``algos``, a comma-separated ``--algos``, else the ``algos`` setting), the seeds per arm (``seeds``,
-    else the ``seeds`` setting) and each arm's resolved settings, ``--set`` applied. ``PresetError`` for a preset
-    that is not local and for any bad flag or setting."""
+    else the ``seeds`` setting) and each arm's resolved settings, ``--set`` applied. ``PresetError`` for any bad
+    flag or setting."""
     p = load_preset(preset)
-    if p.backend != "local":
-        raise PresetError(f"stare run trains local presets only; {preset!r} is a {p.backend!r} preset (use stare "
-                          "train)")
     arms = parse_arms(algos) if algos is not None else None  # given, even empty: what was given is what is checked
     # the preset's first arm stands in until the arms are known: the algos and seeds settings do not depend on it
     first = resolve(preset, arms[0] if arms else parse_arms(p.settings["algos"], "algos")[0], sets)
     arms = arms or parse_arms(first["settings"]["algos"], "--set algos")
     resolved = {a: first if a == first["algo"]["name"] else resolve(preset, a, sets) for a in arms}
-    return RunSet(p.name, arms, seeds or first["settings"]["seeds"], resolved)  # a file preset: its name
+    return RunSet(p.name, arms, seeds or first["settings"]["seeds"], resolved, p.backend)  # a file preset: its name

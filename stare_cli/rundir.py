@@ -79,10 +79,13 @@ LOCAL_SETTINGS_BEFORE = {"logits_to_keep": False, "same_batch_entropy": True, "k
                          "eval_every": 0}
 
 
+# the settings only ``stare run`` reads (which arms and seeds, which evaluations): nothing one arm's training sees
+RUN_SET_SETTINGS = ("algos", "seeds", "benches", "eval_protocol")
 # what a run may be resumed with changed, by section of its config: where it computes (a checkpoint saved on a GPU
-# resumes on CPU), which steps' policies it keeps (files only), whether the Ray head it starts has a dashboard (nothing the training sees) and with which
+# resumes on CPU), what stare run does around it (RUN_SET_SETTINGS), which steps' policies it keeps (files only), whether the Ray head it starts has a dashboard (nothing the training sees) and with which
 # statistics kernel (the kernels differ only in rounding); folders from before these settings have none of them
-RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard", "keep_checkpoint_every"), "algo": ("stats_kernel",)}
+RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard", "keep_checkpoint_every", *RUN_SET_SETTINGS),
+                     "algo": ("stats_kernel",)}
 
 
 def _comparable(config: dict) -> dict:

@@ -261,7 +261,7 @@ def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
 
 
 def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
-                     require_baseline: bool = False) -> dict:
+                     require_baseline: bool = False, notes: list[str] = ()) -> dict:
     """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
 
     ``runs``: training runs (their ``evals`` already joined); ``evals``: summary.json dicts of evaluations that
@@ -269,7 +269,8 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     seed table, and with hard-case results each arm's per-seed hard pass@k, are tested against ``baseline``
     (``find_baseline``: an arm's label, its folder or an algorithm; one-sided exact permutation tests, both arms
     with two seeds or more). With ``require_baseline`` a ``baseline`` that names no arm is a ValueError listing the
-    arms, raised before anything is written; without it the tables simply have no p-values.
+    arms, raised before anything is written; without it the tables simply have no p-values. ``notes``: lines the
+    caller adds to the table's notes (first).
     """
     if not runs and not evals:
         raise ValueError("write_comparison needs at least one run or evaluation")
@@ -308,7 +309,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
             tested_sizes.add((len(hard_pass(arm)), len(hard_pass(base))))
     show_p = has_hard and base is not None
 
-    notes = []
+    notes = list(notes)
     if tested_sizes:
         smallest = ", ".join(f"{1 / math.comb(na + nb, na):.3g} for {na} vs {nb} seeds"
                              for na, nb in sorted(tested_sizes))

@@ -136,7 +136,7 @@ def test_short_stare_run_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["run", "--preset", "tiny-cpu", "--algos", "grpo,ppo"], "unknown algorithm 'ppo'; valid algorithms"),
-    (["run", "--preset", "qwen-7b-short-cot"], "trains local presets only"),
+    (["run", "--preset", "tiny-cpu", "--bench", "aime25"], "--bench is for GPU presets; 'tiny-cpu' is a local"),
     (["train", "--preset", "tiny-cpu", "--resume"], "nothing to resume"),
     (["run", "--preset", "tiny-cpu", "--set", "lr=fast"], "--set lr=fast: expected"),
 ])

@@ -271,17 +271,208 @@ def results(work) -> dict[str, Result]:
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        run_set = pool.submit(run_set_chain, work) if RUN_SET_SELECTED else None  # the longest chain starts first
         done = list(pool.map(chain, SELECTED))
+        run_set = run_set.result() if run_set else None
     out = {}
+    if run_set is not None:
+        out[RUN_SET] = run_set
     for results_of_run in done:
         for r in results_of_run:
             out[r.run.name + ("-resume" if r.run.resume else "")] = r
     report = {name: {"rc": r.rc, "seconds": round(r.seconds, 1), "peak_pss_mb": round(r.peak_rss_mb)}
-              for name, r in out.items()}
+              for name, r in out.items() if isinstance(r, Result)}
+    if run_set is not None:
+        report[RUN_SET] = {"rc": run_set.rcs, "seconds": run_set.seconds}
     report["_wall_seconds"] = round(time.monotonic() - started, 1)
     (work / "timings.json").write_text(json.dumps(report, indent=1))
     print(f"\nopenrlhf e2e runs: {json.dumps(report)}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `stare run` on the GPU preset: two arms x two seeds through the real loop, each final model evaluated on the real
+# vLLM CPU engine, then the comparison. Three invocations of one command: the first is killed (SIGKILL to its whole
+# session, as a crashed node) while stare's first seed sleeps after its step-1 checkpoint; the second (--resume)
+# continues that training from the checkpoint, and stare's second seed fails at launch (a planted failure: one
+# arm's run refused by the driver); the third (--resume) retries the failed one.
+
+RUN_SET = "runset"
+RUN_SET_SELECTED = not os.environ.get("STARE_E2E_RUNS") or RUN_SET in os.environ["STARE_E2E_RUNS"].split(",")
+RUN_SET_SEED = 42  # the preset's seed: seed0 trains with 42, seed1 with 43
+RUN_SET_ARGS = ["--algos", "dapo,stare", "--seeds", "2", "--bench", "aime25", "--limit", "2", "--k", "2",
+                "--max-tokens", "16", "--backend", "vllm"]
+RUN_SET_TIMEOUT = 1800
+
+
+@dataclass
+class RunSetResult:
+    out: Path
+    rcs: list[int]  # the three invocations' exit codes
+    logs: list[str]  # their output
+    seconds: list[float]
+    hashes: list[dict]  # after each invocation: file -> sha256 of every file under out (logs excepted)
+    comparisons: list[dict | None]  # after each invocation: comparison.json
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).parts[0] != "logs"}
+
+
+def run_set_chain(work: Path) -> RunSetResult:
+    out = work / RUN_SET
+    env = run_env(Run(RUN_SET, "stare"), work)
+    sets = [f"model={work / 'model'}", f"data={work / 'problems.jsonl'}", *SIZING, *OVERLONG]
+    base = [str(ENV_STARE), "run", "--preset", PRESET, *RUN_SET_ARGS, "--out", str(out)]
+    for s in sets:
+        base += ["--set", s]
+    hold_log = out / "logs" / "stare-seed0-train.log"
+    hold_message = patches.HOLD_MESSAGE.format(step=1)
+    invocations = [(base, {patches.HOLD_ENV: f"stare:{RUN_SET_SEED}:1"}),
+                   (base + ["--resume"], {patches.FAIL_ENV: f"stare:{RUN_SET_SEED + 1}"}),
+                   (base + ["--resume"], {})]
+    result = RunSetResult(out, [], [], [], [], [])
+    for i, (args, extra) in enumerate(invocations):
+        start = time.monotonic()
+        log_path = work / f"{RUN_SET}-{i + 1}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(args, cwd=work, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            deadline = time.monotonic() + RUN_SET_TIMEOUT
+            while proc.poll() is None and time.monotonic() < deadline:
+                if i == 0 and hold_log.exists() and hold_message in hold_log.read_text(errors="replace"):
+                    break  # stare seed0 sleeps after its step-1 checkpoint: kill everything, as a crash would
+                time.sleep(0.5)
+            try:
+                os.killpg(proc.pid, 9)  # the command (if still there) and every process it started
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        result.rcs.append(proc.returncode)
+        result.logs.append(log_path.read_text(errors="replace"))
+        result.seconds.append(round(time.monotonic() - start, 1))
+        result.hashes.append(_hashes(out) if out.exists() else {})
+        table = out / "comparison.json"
+        result.comparisons.append(json.loads(table.read_text()) if table.exists() else None)
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    return result
+
+
+def run_set_result(results: dict) -> RunSetResult:
+    if RUN_SET not in results:
+        pytest.skip(f"{RUN_SET} is not in STARE_E2E_RUNS")
+    return results[RUN_SET]
+
+
+def test_stare_run_dry_run_prints_every_step_and_writes_nothing(tmp_path):
+    """The plan of the GPU preset's comparison (the defaults: grpo, dapo, stare on AIME24/25, one seed): one
+    training per arm with the OpenRLHF argv `stare train --dry-run` prints for it, then one evaluation per
+    benchmark of that run's folder; nothing is written."""
+    out = tmp_path / "plan"
+    proc = stare(["run", "--preset", PRESET, "--out", out, "--dry-run"], cwd=tmp_path)
+    plan = json.loads(proc.stdout)
+    assert not out.exists()
+    assert (plan["arms"], plan["benches"], plan["seeds"]) == (["grpo", "dapo", "stare"], ["aime24", "aime25"], 1)
+    want = []
+    for arm in ("grpo", "dapo", "stare"):
+        want += [("train", arm, None), ("eval", arm, "aime24"), ("eval", arm, "aime25")]
+    assert [(s["step"], s["arm"], s.get("bench")) for s in plan["steps"]] == want
+    for s in plan["steps"]:
+        assert s["state"] == "new" and s["seed"] == RUN_SET_SEED
+        if s["step"] == "train":
+            alone = json.loads(stare(["train", "--preset", PRESET, "--algo", s["arm"], "--out", s["out"],
+                                      "--set", f"seed={RUN_SET_SEED}", "--dry-run"], cwd=tmp_path).stdout)
+            assert s["openrlhf_argv"] == alone["openrlhf_argv"], s["arm"]
+        else:
+            assert s["command"][:5] == ["stare", "eval", "--bench", s["bench"], "--out"]
+
+
+def test_stare_run_trains_evaluates_and_compares_every_arm_through_the_real_loop(results, work):
+    """The third invocation ends with every arm and seed trained and evaluated, and the table's numbers are the
+    runs' own, read here independently: each arm's final reward is the mean over its seeds of train/reward at the
+    last step (TensorBoard's own reader), its aime25 avg@2 the mean over its seeds of the share of correct samples
+    in samples.jsonl, each sample scored against the shipped file's gold answer."""
+    r = run_set_result(results)
+    assert r.rcs[2] == 0, r.logs[2][-5000:]
+    summary = json.loads((r.out / "comparison.json").read_text())
+    arms = {a["arm"]: a for a in summary["arms"]}
+    assert sorted(arms) == ["dapo", "stare"], list(arms)
+    shipped = [json.loads(line) for line in (REPO / "eval" / "data_files" / "aime25.jsonl").read_text().splitlines()]
+    gold = {row["id"]: str(row["answer"]) for row in shipped[:2]}
+    for name, arm in arms.items():
+        assert arm["n_seeds"] == 2 and sorted(arm["seeds"]) == [RUN_SET_SEED, RUN_SET_SEED + 1], arm["seeds"]
+        rewards, accuracies = [], []
+        for i in (0, 1):
+            run_dir = r.out / name / f"seed{i}"
+            tags = scalars(run_dir)
+            assert set(tags["train/policy_loss"]) == {1, 2}, (name, i, tags["train/policy_loss"])
+            rewards.append(tags["train/reward"][2])
+            samples = [json.loads(line) for line in
+                       (run_dir / "eval-aime25" / "samples.jsonl").read_text().splitlines()]
+            assert sorted((s["problem_id"], s["sample_idx"]) for s in samples) == \
+                [(p, j) for p in sorted(gold) for j in (0, 1)]
+            for s in samples:
+                assert 0 <= s["num_tokens"] <= 16, s
+                extracted = s["extracted"]
+                assert s["correct"] == (extracted is not None and extracted.lstrip("0") == gold[s["problem_id"]]), s
+            accuracies.append(sum(s["correct"] for s in samples) / len(samples))
+            evaluated = json.loads((run_dir / "eval-aime25" / "summary.json").read_text())
+            assert evaluated["model"] == str(run_dir / "final") and evaluated["k"] == 2, evaluated
+        assert arm["metrics"]["final_reward"]["mean"] == pytest.approx(sum(rewards) / 2, rel=1e-6)
+        assert arm["metrics"]["final_reward"]["n"] == 2
+        assert arm["benches"]["aime25"]["avg_at_k"]["mean"] == pytest.approx(sum(accuracies) / 2, abs=1e-12)
+    md = (r.out / "comparison.md").read_text()
+    assert "| dapo |" in md and "| stare |" in md
+
+
+def test_stare_run_killed_keeps_finished_arms_and_resumes_the_interrupted_training(results):
+    """Killed while stare's first seed was between steps, the command had finished both dapo seeds (trained and
+    evaluated); the resumed command left every dapo file as it was, byte for byte, through both later invocations,
+    and continued stare's first seed from its step-1 checkpoint (controller state included) to step 2."""
+    r = run_set_result(results)
+    assert r.rcs[0] == -9, (r.rcs, r.logs[0][-3000:])
+    first = r.hashes[0]
+    dapo = {f: h for f, h in first.items() if f.startswith("dapo/")}
+    for i in (0, 1):
+        assert f"dapo/seed{i}/final/config.json" in dapo and f"dapo/seed{i}/eval-aime25/summary.json" in dapo
+    assert "stare/seed0/ckpt/stare/global_step1.json" in first
+    assert not any(f.startswith("stare/seed0/final/") for f in first), "the held run finished anyway"
+    for later in r.hashes[1:]:
+        assert {f: h for f, h in later.items() if f.startswith("dapo/")} == dapo
+    train_log = (r.out / "logs" / "stare-seed0-train.log").read_text(errors="replace")
+    assert "STARE: controller state restored from checkpoint global_step1" in train_log
+    assert "train stare seed0: started (resumed" in r.logs[1]
+    assert "train dapo seed0" not in r.logs[1] or "kept" in r.logs[1]
+    assert "train dapo seed0: started" not in r.logs[1] + r.logs[2]
+    tags = scalars(r.out / "stare" / "seed0")
+    assert set(tags["train/stare/w"]) == {1, 2}, tags["train/stare/w"]
+
+
+def test_stare_run_reports_a_failed_arm_and_retries_it_on_resume(results):
+    """The planted failure of stare's second seed: the second invocation still trained and evaluated everything
+    else, wrote the table with the failure's error line and log in its notes, and exited 1 with the command to
+    continue; the third retried only that training (and its evaluation), keeping stare's first seed byte for
+    byte."""
+    r = run_set_result(results)
+    assert r.rcs[1] == 1, (r.rcs, r.logs[1][-3000:])
+    assert "train stare seed1: FAILED" in r.logs[1] and "planted failure" in r.logs[1], r.logs[1][-3000:]
+    assert "--resume" in r.logs[1].splitlines()[-1] or "--resume" in r.logs[1][-2000:]
+    second = r.hashes[1]
+    assert "stare/seed0/eval-aime25/summary.json" in second
+    assert not any(f.startswith("stare/seed1/final/") for f in second)
+    table = r.comparisons[1]
+    assert table is not None and [(a["arm"], a["n_seeds"]) for a in table["arms"]] == [("dapo", 2), ("stare", 1)]
+    failed = [n for n in table["notes"] if n.startswith("train stare seed1 failed:")]
+    assert len(failed) == 1 and "planted failure" in failed[0], table["notes"]
+    assert str(r.out / "logs" / "stare-seed1-train.log") in failed[0]
+    third = r.hashes[2]
+    assert {f: h for f, h in third.items() if f.startswith("stare/seed0/")} == \
+        {f: h for f, h in second.items() if f.startswith("stare/seed0/")}
+    assert "train stare seed1: started (resumed" in r.logs[2] and "train stare seed0: started" not in r.logs[2]
+    assert "stare/seed1/eval-aime25/summary.json" in third
 
 
 def ok(results: dict, name: str) -> Result:

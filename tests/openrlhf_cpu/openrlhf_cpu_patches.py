@@ -36,6 +36,9 @@ CRASH_IN_STEP_ENV = "STARE_E2E_CRASH_IN_STEP"
 POSITIONS_ENV = "STARE_E2E_POSITIONS"
 SKIP_LOAD_ENV = "STARE_E2E_SKIP_WEIGHT_LOAD"
 EXTRA_ARGS_ENV = "STARE_E2E_EXTRA_ARGS"
+HOLD_ENV = "STARE_E2E_HOLD"  # ALGO:SEED:STEP: that run's trainer stops (sleeps) after step STEP's checkpoint
+FAIL_ENV = "STARE_E2E_FAIL_RUN"  # ALGO:SEED: that run's driver fails at launch, before Ray starts
+HOLD_MESSAGE = "STARE e2e: holding after step {step}'s checkpoint"
 CRASH_EXIT_CODE = 17
 
 
@@ -224,7 +227,8 @@ def patch_trainer_crash(module) -> None:
     after = int(os.environ.get(CRASH_ENV) or 0)
     during = int(os.environ.get(CRASH_IN_STEP_ENV) or 0)
     positions = os.environ.get(POSITIONS_ENV)
-    if not (after or during or positions):
+    hold = _this_run(HOLD_ENV)
+    if not (after or during or positions or hold):
         return
     cls = module.StarePolicyModelActor
     _expect(cls.save_checkpoint, "save_stare_state", "trainer-crash")
@@ -241,6 +245,11 @@ def patch_trainer_crash(module) -> None:
                    "loader_finished": loader.get("_iterator_finished")}
             with open(positions, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        if hold and tag == f"global_step{hold}":  # the test kills the whole session while it sleeps here
+            print(HOLD_MESSAGE.format(step=hold), flush=True)
+            import time
+
+            time.sleep(3600)
         if after and tag == f"global_step{after}":
             print(f"STARE e2e: exiting after step {after}'s checkpoint", flush=True)
             os._exit(CRASH_EXIT_CODE)
@@ -255,14 +264,35 @@ def patch_trainer_crash(module) -> None:
     _record("trainer-crash")
 
 
+def _this_run(variable: str) -> str | None:
+    """What ``variable`` (``ALGO:SEED[:VALUE]``) asks of this run, when it names this run's algorithm and seed (read
+    from the variables ``stare train`` gives the run: STARE_SETTINGS and STARE_SEED); None otherwise."""
+    import json
+
+    spec = os.environ.get(variable, "")
+    if not spec:
+        return None
+    algo, seed, *value = spec.split(":")
+    try:
+        this = json.loads(os.environ.get("STARE_SETTINGS") or "{}").get("algo", {}).get("name")
+    except ValueError:
+        return None
+    if (this, os.environ.get("STARE_SEED")) != (algo, seed):
+        return None
+    return value[0] if value else "yes"
+
+
 def patch_extra_args(module) -> None:
-    """``STARE_E2E_EXTRA_ARGS``: OpenRLHF flags a CPU run needs, appended to what ``stare train`` builds."""
+    """``STARE_E2E_EXTRA_ARGS``: OpenRLHF flags a CPU run needs, appended to what ``stare train`` builds.
+    ``STARE_E2E_FAIL_RUN=ALGO:SEED``: that run fails at launch (a planted failure of one arm of a ``stare run``)."""
     extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     if not extra:
         return
     original = module.launch
 
     def launch(argv, *args, **kwargs):
+        if _this_run(FAIL_ENV):
+            raise module.LaunchError(f"planted failure of this run ({FAIL_ENV}={os.environ[FAIL_ENV]})")
         return original([*argv, *extra], *args, **kwargs)
 
     module.launch = launch

@@ -1,0 +1,343 @@
+"""``stare run`` on a GPU preset: every arm x seed trained by ``stare train`` (OpenRLHF's ``train_ppo_ray``), each
+final model evaluated by ``stare eval`` on every benchmark, then the comparison, in one folder.
+
+Each step is the CLI a user would type, run as a child process of this one with the same environment: a training is
+``stare train --preset P --algo A --out OUT/<arm>/seed<S> --set seed=<seed + S> [--set ...] [--resume]
+[--ray-address ...]``, so its OpenRLHF command is exactly the one ``stare train --dry-run`` prints; an evaluation is
+``stare eval --bench B --out OUT/<arm>/seed<S> ...``, which evaluates that run's ``final/`` into
+``OUT/<arm>/seed<S>/eval-<B>/``. Each step's output goes to ``OUT/logs/<arm>-seed<S>-<train|eval-B>.log``.
+Nothing here schedules GPUs: every training is an OpenRLHF job on the Ray cluster (``--ray-address``) or on a Ray
+head its ``stare train`` starts on this node, and ``--parallel N`` only starts N arms' steps at once, after checking
+that the cluster has the GPUs for them (``ray.cluster_resources()``).
+
+1. ``plan_cluster_run``: every check ``stare train --dry-run`` and ``stare eval`` make, for every arm, before
+   anything is written (``CliError``, one line); the steps with what each finds: ``kept`` (a finished training or
+   evaluation, never rewritten), ``resume`` (an interrupted one: ``stare train --resume`` continues from its last
+   OpenRLHF checkpoint with the controller state, ``stare eval --resume`` from its samples) or ``new``.
+   ``--dry-run`` prints ``ClusterPlan.to_json``.
+2. ``run_cluster``: the steps, a line as each starts and ends (with its time); a training or evaluation that fails
+   is recorded (its error line and log) and the other arms go on; the comparison of every arm that trained
+   (``stare.cli.compare``: tables, seed intervals and tests, curves from the runs' TensorBoard logs), the failures
+   in its notes. ``--resume`` retries the failed steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CliError
+
+LOGS = "logs"
+TRAIN, EVAL = "train", "eval"
+KEPT, RESUME, NEW = "kept", "resume", "new"
+
+
+@dataclass
+class EvalOptions:
+    """What every evaluation of the run is asked for (``stare eval``'s flags); None: the protocol's."""
+    benches: list[str]
+    protocol: str
+    k: int | None = None
+    max_tokens: int | None = None
+    limit: int | None = None
+    backend: str | None = None
+    engines: int = 1
+    tp: int = 1
+    seed: int = 0  # the sampling seed: the same for every arm, so the arms are compared on the same draws
+
+    def flags(self, ray_address: str | None) -> list[str]:
+        out = ["--protocol", self.protocol, "--seed", str(self.seed), "--engines", str(self.engines),
+               "--tp", str(self.tp)]
+        for flag, value in (("--k", self.k), ("--max-tokens", self.max_tokens), ("--limit", self.limit),
+                            ("--backend", self.backend), ("--ray-address", ray_address)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
+
+
+@dataclass
+class Step:
+    kind: str  # train | eval
+    arm: str
+    index: int  # the seed's index: folder seed<index>
+    seed: int  # the training seed
+    run_dir: Path
+    command: list[str]  # the stare command (after the interpreter)
+    state: str  # kept | resume | new
+    log: Path
+    bench: str | None = None
+    openrlhf_argv: list[str] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.arm} seed{self.index}" + (f" {self.bench}" if self.bench else "")
+
+    def to_json(self) -> dict:
+        d = {"step": self.kind, "arm": self.arm, "seed": self.seed, "out": str(self.run_dir), "state": self.state,
+             "command": ["stare", *self.command], "log": str(self.log)}
+        if self.bench:
+            d["bench"], d["out"] = self.bench, str(self.run_dir / f"eval-{self.bench}")
+        if self.openrlhf_argv is not None:
+            d["openrlhf_argv"] = self.openrlhf_argv
+        return d
+
+
+@dataclass
+class ClusterPlan:
+    preset: str
+    out: Path
+    arms: list[str]
+    seeds: int
+    evals: EvalOptions
+    steps: list[Step]
+    parallel: int
+    ray_address: str | None
+    gpus_per_arm: int
+    failures: list[str] = field(default_factory=list)
+
+    def pipelines(self) -> list[list[Step]]:
+        """The steps by arm and seed, in order: a training, then its evaluations."""
+        by_run: dict[Path, list[Step]] = {}
+        for s in self.steps:
+            by_run.setdefault(s.run_dir, []).append(s)
+        return list(by_run.values())
+
+    def to_json(self) -> dict:
+        return {"preset": self.preset, "out": str(self.out), "arms": self.arms, "seeds": self.seeds,
+                "benches": self.evals.benches, "parallel": self.parallel, "ray_address": self.ray_address,
+                "gpus_per_arm": self.gpus_per_arm, "steps": [s.to_json() for s in self.steps],
+                "comparison": str(self.out / "comparison.md"),
+                "kept": sum(s.state == KEPT for s in self.steps), "to_run": sum(s.state != KEPT for s in self.steps)}
+
+
+# ---- 1. the plan ----------------------------------------------------------------------------------------------
+
+def gpus_per_arm(settings: dict, evals: EvalOptions) -> int:
+    """The GPUs one arm holds at a time: its training's (the actor ranks; the vLLM engines' beside them unless
+    colocated; a reference model's beside them when kl_coef > 0 and not colocated), or its evaluation's (engines x
+    tp, for vLLM), whichever is more."""
+    ranks = settings["gpus_per_node"] * settings["nodes"]
+    train = ranks
+    if not settings["colocate"]:
+        train += settings["vllm_engines"] * settings["vllm_tensor_parallel"]
+        if settings["kl_coef"] > 0:
+            train += ranks
+    return max(train, evals.engines * evals.tp)
+
+
+def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
+    """What ``stare eval`` would refuse for these options on any model (``CliError``): each benchmark and its
+    problems, the backend, the engines, the protocol with its overrides."""
+    from stare.eval import BENCHES, load_bench
+    from stare.eval.data import local_data_file
+    from stare.eval.harness import check_backend, resolve_protocol
+
+    from .eval_plan import check_engines, check_harness
+
+    try:
+        if evals.backend is not None:
+            check_backend(evals.backend)
+        check_engines(evals.engines, ray_address, "stare")
+        resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
+        for bench in evals.benches:
+            if bench not in BENCHES:
+                raise ValueError(f"--bench {bench!r}: unknown benchmark; valid benchmarks: {', '.join(BENCHES)}")
+            check_harness("stare", bench, resume=True, tools=None)
+            load_bench(bench, data_file=local_data_file(bench, None) or "hub", limit=evals.limit)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _eval_state(run_dir: Path, bench: str, evals: EvalOptions, seed: int) -> str:
+    """kept (summary.json there), resume (samples, no summary) or new; ``CliError`` when the folder's samples were
+    drawn with other settings than these (what ``stare eval --resume`` would refuse)."""
+    folder = run_dir / f"eval-{bench}"
+    has_summary, has_samples = (folder / "summary.json").is_file(), (folder / "samples.jsonl").is_file()
+    if not (has_summary or has_samples):
+        return NEW
+    from stare.eval.data import local_data_file
+    from stare.eval.harness import EvalRefused, check_resume, eval_record, resolve_protocol
+
+    proto = resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
+    local = local_data_file(bench, None)
+    data = str(Path(local).resolve()) if local is not None else "hub"
+    try:
+        check_resume(folder, eval_record(proto, seed=evals.seed, model=str(run_dir / "final"), bench=bench,
+                                         data=data, tools=None))
+    except EvalRefused as exc:
+        raise CliError(str(exc)) from None
+    return KEPT if has_summary else RESUME
+
+
+def trained(run_dir: Path) -> bool:
+    """The training in ``run_dir`` finished: its final model is there, whole (every weight file as long as its
+    header says)."""
+    from .rundir import final_model, safetensors_problem
+
+    final = final_model(run_dir)
+    if final is None:
+        return False
+    weights = sorted(final.glob("*.safetensors"))
+    return bool(weights) and all(safetensors_problem(w) is None for w in weights)
+
+
+def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], evals: EvalOptions,
+                     ray_address: str | None, resume: bool, parallel: int) -> ClusterPlan:
+    """Every step of the run with its state, after every check (``CliError``, one line, nothing written)."""
+    from . import openrlhf_train
+    from .openrlhf_backend import launch as orl
+    from .rundir import RunDirError, check_run_dir, check_run_set_dir
+
+    out = Path(out).absolute()  # the children run with this folder, wherever their working directory
+    try:
+        check_run_set_dir(out, arm_set.preset)
+        if ray_address:
+            orl.check_address_syntax(ray_address)
+    except (RunDirError, orl.LaunchError) as exc:
+        raise CliError(str(exc)) from None
+    if parallel > 1 and not ray_address:
+        raise CliError(f"--parallel {parallel}: arms run at once only on a Ray cluster with the GPUs for them; give "
+                       "--ray-address (without it each arm's stare train starts a Ray head of its own on this node)")
+    check_eval_options(evals, ray_address)
+    preset = str(Path(preset_arg).absolute()) if Path(preset_arg).is_file() else preset_arg
+    base_seed = arm_set.settings["seed"]
+    steps: list[Step] = []
+    for arm in arm_set.arms:
+        for i in range(arm_set.seeds):
+            run_dir = out / arm / f"seed{i}"
+            resolved = json.loads(json.dumps(arm_set.resolved[arm]))
+            resolved["settings"]["seed"] = seed = base_seed + i
+            launch_plan = openrlhf_train.plan(resolved, run_dir, ray_address)  # what stare train --dry-run checks
+            existing = (run_dir / "config.yaml").exists()
+            try:
+                check_run_dir(run_dir, resolved, resume and existing)
+            except RunDirError as exc:
+                raise CliError(str(exc)) from None
+            state = KEPT if trained(run_dir) else RESUME if existing else NEW
+            command = ["train", "--preset", preset, "--algo", arm, "--out", str(run_dir)]
+            for s in [*sets, f"seed={seed}"]:
+                command += ["--set", s]
+            command += (["--resume"] if state == RESUME else []) + (["--ray-address", ray_address] if ray_address
+                                                                    else [])
+            logs = out / LOGS
+            steps.append(Step(TRAIN, arm, i, seed, run_dir, command, state, logs / f"{arm}-seed{i}-train.log",
+                              openrlhf_argv=launch_plan["openrlhf_argv"]))
+            for bench in evals.benches:
+                e_state = _eval_state(run_dir, bench, evals, seed) if state == KEPT else NEW
+                e_cmd = ["eval", "--bench", bench, "--out", str(run_dir), *evals.flags(ray_address)]
+                e_cmd += ["--resume"] if e_state == RESUME else []
+                steps.append(Step(EVAL, arm, i, seed, run_dir, e_cmd, e_state, logs / f"{arm}-seed{i}-eval-{bench}.log",
+                                  bench=bench))
+    return ClusterPlan(arm_set.preset, out, list(arm_set.arms), arm_set.seeds, evals, steps, parallel, ray_address,
+                       gpus_per_arm(arm_set.settings, evals))
+
+
+def check_cluster(plan: ClusterPlan, resources=None) -> None:
+    """``--parallel N`` on the cluster: it has the GPUs for N arms at once (``resources``: ``ray.cluster_resources``
+    of the cluster at ``plan.ray_address``, asked here when not given). ``CliError`` otherwise."""
+    if plan.parallel <= 1:
+        return
+    if resources is None:
+        import ray
+
+        ray.init(address=plan.ray_address, logging_level="ERROR", log_to_driver=False)
+        try:
+            resources = ray.cluster_resources()
+        finally:
+            ray.shutdown()
+    have, need = int(resources.get("GPU", 0)), plan.parallel * plan.gpus_per_arm
+    if have < need:
+        raise CliError(f"--parallel {plan.parallel}: {plan.parallel} arms of {plan.preset} at once need {need} GPUs "
+                       f"({plan.gpus_per_arm} each), and the Ray cluster at {plan.ray_address} has {have}; use "
+                       f"--parallel {max(1, have // plan.gpus_per_arm)} or a larger cluster (nothing was started)")
+
+
+# ---- 2. the run -------------------------------------------------------------------------------------------------
+
+def _minutes(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return (f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s")
+
+
+def error_line(log: Path) -> str:
+    """The line of a failed step's log that says why: the last ``error:`` line, else the last exception line, else
+    the last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    for pick in (lambda ln: ln.startswith("error:"), lambda ln: "Error" in ln.split(":")[0]):
+        found = [ln for ln in lines if pick(ln)]
+        if found:
+            return found[-1]
+    return lines[-1] if lines else "(empty log)"
+
+
+def run_step(step: Step, log_line) -> bool:
+    """One step as a child process (this interpreter's ``stare``), its output appended to its log; True when it
+    exited 0."""
+    step.log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log_line(f"{step.name}: started ({'resumed' if step.state == RESUME else 'new'}; log {step.log})")
+    with open(step.log, "a") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} stare {' '.join(step.command)}\n")
+        log.flush()
+        rc = subprocess.call([sys.executable, "-m", "stare.cli.main", *step.command], stdout=log,
+                             stderr=subprocess.STDOUT, env=os.environ.copy())
+    took = _minutes(time.monotonic() - start)
+    if rc == 0:
+        log_line(f"{step.name}: finished in {took}")
+        return True
+    log_line(f"{step.name}: FAILED after {took} (exit {rc}): {error_line(step.log)}")
+    return False
+
+
+def run_cluster(plan: ClusterPlan, log_line) -> list[str]:
+    """Every step not kept, ``plan.parallel`` arm-seeds at a time (a training, then its evaluations); returns the
+    failures, one line each (the step, its error line, its log)."""
+    from .rundir import mark_run_set
+
+    mark_run_set(plan.out, plan.preset, plan.arms, plan.seeds)
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def say(text: str) -> None:
+        with lock:
+            log_line(f"[{time.strftime('%H:%M:%S')}] {text}")
+
+    def pipeline(steps: list[Step]) -> None:
+        for step in steps:
+            if step.state == KEPT:
+                continue
+            if not run_step(step, say):
+                with lock:
+                    failures.append(f"{step.name} failed: {error_line(step.log)} (log: {step.log})")
+                if step.kind == TRAIN:  # nothing to evaluate
+                    return
+
+    kept = sum(s.state == KEPT for s in plan.steps)
+    if kept:
+        say(f"{kept} finished step(s) kept: " + ", ".join(s.name for s in plan.steps if s.state == KEPT))
+    with ThreadPoolExecutor(max_workers=plan.parallel) as pool:
+        list(pool.map(pipeline, plan.pipelines()))
+    plan.failures = failures
+    return failures
+
+
+def write_report(plan: ClusterPlan) -> list[Path]:
+    """The comparison of every arm-seed that trained (``stare.cli.compare``), the failures in its notes; returns
+    the run folders compared (none: nothing written)."""
+    from .compare import compare
+
+    dirs = [s.run_dir for s in plan.steps if s.kind == TRAIN and trained(s.run_dir)]
+    if dirs:
+        compare(dirs, plan.out, notes=plan.failures)
+    return dirs
