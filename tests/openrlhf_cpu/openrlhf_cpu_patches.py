@@ -227,8 +227,8 @@ def patch_trainer_crash(module) -> None:
     after = int(os.environ.get(CRASH_ENV) or 0)
     during = int(os.environ.get(CRASH_IN_STEP_ENV) or 0)
     positions = os.environ.get(POSITIONS_ENV)
-    hold = _this_run(HOLD_ENV)
-    if not (after or during or positions or hold):
+    hold_asked = os.environ.get(HOLD_ENV)
+    if not (after or during or positions or hold_asked):
         return
     cls = module.StarePolicyModelActor
     _expect(cls.save_checkpoint, "save_stare_state", "trainer-crash")
@@ -245,6 +245,9 @@ def patch_trainer_crash(module) -> None:
                    "loader_finished": loader.get("_iterator_finished")}
             with open(positions, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        hold = _this_run(HOLD_ENV) if hold_asked else None  # read when the run's variables are surely set
+        if hold_asked:
+            _record(f"hold-check:{tag}:{hold}")
         if hold and tag == f"global_step{hold}":  # the test kills the whole session while it sleeps here
             print(HOLD_MESSAGE.format(step=hold), flush=True)
             import time
