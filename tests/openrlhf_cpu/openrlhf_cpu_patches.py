@@ -246,8 +246,6 @@ def patch_trainer_crash(module) -> None:
             with open(positions, "a") as f:
                 f.write(json.dumps(row) + "\n")
         hold = _this_run(HOLD_ENV) if hold_asked else None  # read when the run's variables are surely set
-        if hold_asked:
-            _record(f"hold-check:{tag}:{hold}")
         if hold and tag == f"global_step{hold}":  # the test kills the whole session while it sleeps here
             print(HOLD_MESSAGE.format(step=hold), flush=True)
             import time
