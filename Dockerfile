@@ -46,6 +46,8 @@ COPY algorithms ./algorithms
 COPY eval ./eval
 COPY configs ./configs
 RUN pip install --no-cache-dir "./[lm-eval]"
+# read by stare's hints: in this image the GPU stack is installed, so a missing piece means a broken build
+ENV STARE_IMAGE=1
 
 ENTRYPOINT ["stare"]
 CMD ["--help"]

@@ -247,7 +247,10 @@ def check_cluster(plan: ClusterPlan, resources=None) -> None:
     if resources is None:
         import ray
 
+        from .stopping import reclaim
+
         ray.init(address=plan.ray_address, logging_level="ERROR", log_to_driver=False)
+        reclaim()  # ray.init's SIGTERM handler would exit 15 without a word
         try:
             resources = ray.cluster_resources()
         finally:
@@ -281,18 +284,38 @@ def error_line(log: Path) -> str:
     return lines[-1] if lines else "(empty log)"
 
 
-def run_step(step: Step, log_line) -> bool:
+def run_step(step: Step, log_line, running: dict | None = None) -> bool | None:
     """One step as a child process (this interpreter's ``stare``), its output appended to its log; True when it
-    exited 0."""
+    exited 0, None when a stop ended it. The child leads its own process group, so a terminal's Ctrl-C reaches only
+    this process, which stops the children itself (``run_cluster``); it dies with this process
+    (``stopping.child_env``) and is given this process's folder locks (``folder_lock.child_env``). ``running``:
+    where the child is registered while it runs."""
+    from . import folder_lock, stopping
+
     step.log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     log_line(f"{step.name}: started ({'resumed' if step.state == RESUME else 'new'}; log {step.log})")
+    running = {} if running is None else running
     with open(step.log, "a") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} stare {' '.join(step.command)}\n")
         log.flush()
-        rc = subprocess.call([sys.executable, "-m", "stare.cli.main", *step.command], stdout=log,
-                             stderr=subprocess.STDOUT, env=os.environ.copy())
+        with _starting:  # no child starts once a stop began
+            if stopping.requested() is not None:
+                return None
+            proc = subprocess.Popen([sys.executable, "-m", "stare.cli.main", *step.command], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=folder_lock.child_env(stopping.child_env()))
+            running[proc.pid] = proc
+            stopping.track(proc, group=True)
+        try:
+            rc = proc.wait()
+        finally:
+            running.pop(proc.pid, None)
+            stopping.untrack(proc)
     took = _minutes(time.monotonic() - start)
+    if stopping.requested() is not None and rc != 0:
+        log_line(f"{step.name}: stopped after {took}")
+        return None
     if rc == 0:
         log_line(f"{step.name}: finished in {took}")
         return True
@@ -300,14 +323,22 @@ def run_step(step: Step, log_line) -> bool:
     return False
 
 
+_starting = threading.Lock()
+STOP_GRACE_S = 60.0  # a stopped training's stare train ends Ray and its engines before it exits
+
+
 def run_cluster(plan: ClusterPlan, log_line) -> list[str]:
     """Every step not kept, ``plan.parallel`` arm-seeds at a time (a training, then its evaluations); returns the
-    failures, one line each (the step, its error line, its log)."""
+    failures, one line each (the step, its error line, its log). On SIGINT or SIGTERM (``stopping``) no step
+    starts, the running ones get SIGTERM (each ``stare train`` or ``stare eval`` stops as it does alone, leaving its
+    last checkpoint or sample), SIGKILL after ``STOP_GRACE_S``, and the stop goes on up."""
+    from . import stopping
     from .rundir import mark_run_set
 
     mark_run_set(plan.out, plan.preset, plan.arms, plan.seeds)
     failures: list[str] = []
     lock = threading.Lock()
+    running: dict = {}
 
     def say(text: str) -> None:
         with lock:
@@ -317,7 +348,10 @@ def run_cluster(plan: ClusterPlan, log_line) -> list[str]:
         for step in steps:
             if step.state == KEPT:
                 continue
-            if not run_step(step, say):
+            ok = run_step(step, say, running)
+            if ok is None:  # stopped
+                return
+            if not ok:
                 with lock:
                     failures.append(f"{step.name} failed: {error_line(step.log)} (log: {step.log})")
                 if step.kind == TRAIN:  # nothing to evaluate
@@ -326,8 +360,18 @@ def run_cluster(plan: ClusterPlan, log_line) -> list[str]:
     kept = sum(s.state == KEPT for s in plan.steps)
     if kept:
         say(f"{kept} finished step(s) kept: " + ", ".join(s.name for s in plan.steps if s.state == KEPT))
-    with ThreadPoolExecutor(max_workers=plan.parallel) as pool:
+    pool = ThreadPoolExecutor(max_workers=plan.parallel)
+    try:
         list(pool.map(pipeline, plan.pipelines()))
+    except KeyboardInterrupt:  # stopping.Stopped, or a KeyboardInterrupt of a wait it cut
+        with _starting:
+            children = list(running.values())
+        stopped = stopping.stop_processes(children, group=True, grace=STOP_GRACE_S)
+        stopping.report(f"{stopped} running step(s) stopped (each resumes from its last checkpoint or sample), "
+                        f"the others not started")
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     plan.failures = failures
     return failures
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import errors
+from . import errors, stopping
 from .errors import CliError, looks_like_hub_id
+from .folder_lock import check_free, hold
 from .rundir import final_model
 
 HARNESSES = ("stare", "lm-eval")
@@ -179,6 +180,7 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
         raise CliError(str(exc)) from None
     backend = backend or default_backend()
     errors.check_out_dir(out_dir)
+    check_free(out_dir)  # another process writing there: refused before its samples are read
     problems = None
     try:
         proto = resolve_protocol(protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
@@ -208,7 +210,20 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
 
 
 def run_eval_plan(plan: EvalPlan, console) -> dict:
-    """Load the model and evaluate (a progress bar for the stare harness); returns the summary (summary.json)."""
+    """Load the model and evaluate (a progress bar for the stare harness); returns the summary (summary.json).
+    The evaluation folder is locked meanwhile (``folder_lock``); a stop (``stopping``) keeps every problem whose
+    samples were written."""
+    with hold(plan.out):
+        try:
+            return _run_eval_plan(plan, console)
+        except KeyboardInterrupt:
+            done = plan.out / "samples.jsonl"
+            stopping.report(f"the evaluation in {plan.out}" + (f" (the problems finished are in {done})"
+                                                               if done.exists() else ""))
+            raise
+
+
+def _run_eval_plan(plan: EvalPlan, console) -> dict:
     from .quiet import quiet
 
     quiet()
@@ -228,6 +243,7 @@ def run_eval_plan(plan: EvalPlan, console) -> dict:
         engine = build_engine(plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config)
     except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
         raise CliError(str(exc)) from None
+    stopping.reclaim()  # an engine's library may have set handlers of its own
     return run_with_progress(plan, engine, console)
 
 
@@ -262,6 +278,7 @@ def run_on_engines(plan: EvalPlan, console) -> dict:
     gpus = plan.tp if plan.backend == "vllm" else 1  # per engine, where the cluster has GPUs
     try:
         with EnginePool(factory, plan.engines, gpus=gpus, ray_address=plan.ray_address) as pool:
+            stopping.reclaim()  # ray.init's SIGTERM handler would exit 15 without a word
             return run_with_progress(plan, pool, console)
     except EngineError as exc:
         done = plan.out / "samples.jsonl"

@@ -12,6 +12,7 @@ bad value and the valid choices, and exit with code 2, without a traceback: ``er
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -41,6 +42,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+
+
+def _stoppable(command):
+    """A long command that SIGINT (Ctrl-C) and SIGTERM stop cleanly: ``stare.cli.stopping``."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from . import stopping
+
+        say = lambda line: errors.err_console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+        with stopping.stop_on_signals(say):
+            return command(*args, **kwargs)
+    return wrapper
 
 
 def _version() -> str:
@@ -127,6 +140,7 @@ def _dump(data: dict) -> None:
 
 
 @app.command()
+@_stoppable
 def train(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name (see `stare presets`) or path to a preset YAML file."),
     algo: str = typer.Option("stare", "--algo", "-a", help="Algorithm (see `stare algos`)."),
@@ -192,6 +206,7 @@ def _held_out_line(result: dict) -> str:
 
 
 @app.command()
+@_stoppable
 def run(
     preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A preset (see `stare presets`) or path to a "
                                                                   "preset YAML file: local or GPU."),
@@ -271,6 +286,7 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
                  k: Optional[int], max_tokens: Optional[int], limit: Optional[int]) -> None:
     """``stare run`` on a GPU preset (``stare.cli.cluster_run``): plan, then train, evaluate and compare."""
     from . import cluster_run as cr
+    from .folder_lock import check_free, hold
     from .openrlhf_train import check_training_stack
 
     if ray_address is not None and not ray_address.strip():
@@ -283,6 +299,8 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
         fail(f"--bench {benches_text!r}: expected distinct comma-separated benchmarks, e.g. aime24,aime25")
     evals = cr.EvalOptions(benches, settings["eval_protocol"], k=k, max_tokens=max_tokens, limit=limit,
                            backend=backend, engines=engines, tp=tp)
+    if not dry_run:
+        check_free(out)  # another process writing there: refused before its folders are read
     plan = cr.plan_cluster_run(arm_set, out, preset_arg=preset, sets=sets, evals=evals, ray_address=ray_address,
                                resume=resume, parallel=parallel)
     if dry_run:
@@ -298,11 +316,12 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
             fail(str(exc))
     cr.check_cluster(plan)
     say = errors.plain(console)
+    counts = plan.to_json()
     say(f"stare run {arm_set.preset}: {', '.join(arm_set.arms)} x {arm_set.seeds} seed(s), evaluated on "
-        f"{', '.join(benches)} -> {plan.out} ({plan.to_json()['to_run']} step(s) to run, "
-        f"{plan.to_json()['kept']} kept)")
-    failures = cr.run_cluster(plan, say)
-    compared = cr.write_report(plan)
+        f"{', '.join(benches)} -> {plan.out} ({counts['to_run']} step(s) to run, {counts['kept']} kept)")
+    with hold(plan.out):  # the whole folder; its stare train and stare eval children are given the lock
+        failures = cr.run_cluster(plan, say)
+        compared = cr.write_report(plan)
     if compared:
         console.print((plan.out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
         say(f"wrote {plan.out}/comparison.md, comparison.csv, comparison.json and the plots ({len(compared)} run(s))")
@@ -317,6 +336,7 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
 
 
 @app.command("eval")
+@_stoppable
 def eval_(
     bench: str = typer.Option(..., "--bench", "-b", help="Benchmark: aime24, aime25, amc23, math500."),
     model: Optional[str] = typer.Option(None, "--model", "-m",

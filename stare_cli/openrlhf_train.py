@@ -29,9 +29,12 @@ def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
 def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_address: str | None,
           console: Console) -> None:
     """Check, make the run folder, start OpenRLHF (returns when training ends)."""
+    from . import stopping
+    from .folder_lock import check_free, hold
     from .openrlhf_backend import launch as orl
     from .rundir import RunDirError, check_run_dir, prepare_run_dir
 
+    check_free(out)  # another process writing there: refused before anything of it is read
     try:
         check_run_dir(out, resolved, resume)
         if ray_address:
@@ -41,30 +44,66 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
     if resolved["settings"].get("agent") and not ray_address:  # the rollout actors run here: so does the sandbox
         _check_tool_sandbox(launch_plan["ray"]["runtime_env"]["env_vars"])
     check_training_stack()
-    prepare_run_dir(out, resolved, resume)
-    console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> "
-                  f"{escape(str(out))}")
-    if resume:
-        from .openrlhf_backend.checkpoint import describe_resume
+    with hold(out):
+        prepare_run_dir(out, resolved, resume)
+        console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> "
+                      f"{escape(str(out))}")
+        if resume:
+            from .openrlhf_backend.checkpoint import describe_resume
 
-        errors.plain(console)(describe_resume(out / "ckpt"))
-    try:
-        orl.start(resolved, launch_plan, log=errors.plain(console))
-    except orl.LaunchError as exc:
-        raise CliError(str(exc)) from None
+            errors.plain(console)(describe_resume(out / "ckpt"))
+        try:
+            orl.start(resolved, launch_plan, log=errors.plain(console))
+        except orl.LaunchError as exc:
+            raise CliError(str(exc)) from None
+        except KeyboardInterrupt:  # stopping.Stopped, or Ray's KeyboardInterrupt of a wait it cut
+            stopping.report(f"the OpenRLHF training in {out}, with its Ray workers and engines (it resumes from its "
+                            "last checkpoint in ckpt/)")
+            raise
 
 
 def check_training_stack() -> None:
-    """OpenRLHF (at its pinned version) and what it needs import here; ``CliError`` (exit 1) otherwise."""
-    from .openrlhf_backend import OpenRLHFVersionError
+    """OpenRLHF (at its pinned version) and what it needs import here; ``CliError`` (exit 2) otherwise, with the
+    install command for where this stare came from (``install_hint``)."""
+    from .openrlhf_backend import OpenRLHFMissing, OpenRLHFVersionError
 
     try:
         from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
     except ImportError as exc:
-        raise CliError(f"the GPU training stack is not installed ({exc}); pip install 'stare[openrlhf]' or use the "
-                       "Docker image (see the README)", code=1) from None
+        raise CliError(f"the GPU training stack is not installed ({exc}); {install_hint()}") from None
+    except OpenRLHFMissing as exc:
+        raise CliError(f"{exc}; {install_hint()}") from None
     except OpenRLHFVersionError as exc:
-        raise CliError(str(exc), code=1) from None
+        raise CliError(str(exc)) from None
+
+
+def install_hint(environ=None, root: Path | None = None) -> str:
+    """How to get the GPU training stack, for where this stare was installed from: the Docker image (which has it),
+    an editable clone, a folder, or a package index; and what works without it."""
+    import json
+    import os
+    from importlib.metadata import distributions
+    from urllib.parse import unquote, urlparse
+
+    environ = os.environ if environ is None else environ
+    cpu = ("; on a machine without a GPU only `stare train --dry-run` and `stare run --dry-run` work on GPU presets "
+           "(OpenRLHF's training needs CUDA)")
+    if environ.get("STARE_IMAGE"):
+        return ("this Docker image should hold it: rebuild it from the repository's Dockerfile "
+                "(docker build -t stare .)" + cpu)
+    root = Path(__file__).resolve().parent.parent if root is None else root  # a clone holds stare_cli/ at its top
+    if (root / "pyproject.toml").is_file() and (root / "stare_cli").is_dir():  # an editable install (or the source)
+        return f"pip install -e '{root}[openrlhf]', or use the Docker image (see the README){cpu}"
+    for dist in distributions(name="stare"):  # installed from a folder: its direct_url.json names it
+        try:
+            direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        url = direct.get("url", "")
+        if url.startswith("file://") and "dir_info" in direct:
+            folder = unquote(urlparse(url).path)
+            return f"pip install '{folder}[openrlhf]', or use the Docker image (see the README){cpu}"
+    return f"pip install 'stare[openrlhf]', or use the Docker image (see the README){cpu}"
 
 
 def _check_tool_sandbox(worker_env: dict[str, str]) -> None:

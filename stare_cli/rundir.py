@@ -25,6 +25,7 @@ import yaml
 
 from stare.eval.jsonl import read_cut_jsonl
 
+from .folder_lock import without_lock
 from .presets import read_config
 
 FINAL = "final"
@@ -68,7 +69,7 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
         return True
     if resume:
         raise RunDirError(f"nothing to resume in {run_dir}: no config.yaml there")
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and without_lock(run_dir.iterdir()):
         raise RunDirError(f"{run_dir} is not empty and holds no stare run; use another --out (nothing was changed)")
     return False
 
@@ -122,7 +123,7 @@ def check_run_set_dir(out: Path, preset: str) -> None:
         if old.get("preset") != preset:
             raise RunDirError(f"{out} holds a run of preset {old.get('preset')!r}; use another --out "
                               "(nothing was changed)")
-    elif Path(out).exists() and any(Path(out).iterdir()):
+    elif Path(out).exists() and without_lock(Path(out).iterdir()):
         raise RunDirError(f"{out} is not empty and holds no stare run; use another --out (nothing was changed)")
 
 
@@ -263,11 +264,13 @@ def remove_unstarted_run(run_dir: Path, existed: bool) -> None:
     run_dir = Path(run_dir)
     if (run_dir / CHECKPOINT).exists() or not run_dir.is_dir():
         return
-    if not existed:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        return
-    for child in run_dir.iterdir():
+    for child in without_lock(run_dir.iterdir()):  # the lock is its holder's to remove (``folder_lock.hold``)
         if child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
         else:
             child.unlink(missing_ok=True)
+    if not existed:
+        try:
+            run_dir.rmdir()
+        except OSError:  # the lock is still there: its holder removes the folder it made as it lets go
+            pass

@@ -185,9 +185,39 @@ def test_openrlhf_install_hint_keeps_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "stare.cli.openrlhf_backend.plugin", None)  # import fails as when absent
     monkeypatch.delattr(pkg, "plugin", raising=False)
     res = invoke("train", "--preset", "qwen-7b-short-cot", "--out", str(tmp_path / "o"))
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # a refusal like any other
     lines = [x for x in res.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "pip install 'stare[openrlhf]'" in lines[0], res.stderr
+    from stare.cli.openrlhf_train import install_hint  # its cases: the test below
+
+    assert len(lines) == 1 and lines[0].endswith(install_hint()) and "[openrlhf]'" in lines[0], res.stderr
+    assert "without a GPU only `stare train --dry-run` and `stare run --dry-run` work" in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_openrlhf_install_hint_fits_where_stare_came_from(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    from stare.cli.openrlhf_train import install_hint
+
+    assert install_hint({"STARE_IMAGE": "1"}).startswith("this Docker image should hold it: rebuild it")
+    clone = tmp_path / "clone"
+    (clone / "stare_cli").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text("")
+    assert install_hint({}, root=clone).startswith(f"pip install -e '{clone}[openrlhf]', or use the Docker image")
+
+    class Dist:  # an installed stare, from a folder or from an index
+        def __init__(self, direct):
+            self.direct = direct
+
+        def read_text(self, name):
+            return self.direct if name == "direct_url.json" else None
+
+    site = tmp_path / "site-packages"  # no pyproject.toml beside the package: not a clone
+    monkeypatch.setattr(metadata, "distributions",
+                        lambda name: [Dist('{"url": "file:///src/my%20stare", "dir_info": {}}')])
+    assert install_hint({}, root=site).startswith("pip install '/src/my stare[openrlhf]'")
+    monkeypatch.setattr(metadata, "distributions", lambda name: [Dist(None)])
+    assert install_hint({}, root=site).startswith("pip install 'stare[openrlhf]', or use the Docker image")
 
 
 def test_fail_prints_markup_characters_as_typed(capsys):

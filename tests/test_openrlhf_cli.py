@@ -103,7 +103,7 @@ def test_another_openrlhf_version_is_refused_before_anything_is_written(tmp_path
             "from stare.cli.main import main; main()\n")
     res = subprocess.run([sys.executable, "-c", code, "train", "--preset", "qwen-7b-short-cot", "--out", "run"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 2, res.stderr
     assert f"written against openrlhf=={OPENRLHF_VERSION}, found 0.0.1" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -26,7 +27,9 @@ from rich.progress import Progress
 
 from . import progress as bars
 from .device import DeviceError, engine_device
+from .. import stopping
 from ..errors import CliError
+from ..folder_lock import check_free, hold
 from ..quiet import quiet
 from ..rundir import (RunDirError, check_resumable, check_run_dir, check_run_set_dir, mark_run_set, prepare_run_dir,
                       remove_unstarted_run)
@@ -58,23 +61,29 @@ def check_model(resolved: dict, *, prepare: bool = False) -> None:
 
 def train_arm(resolved: dict, out: Path, *, resume: bool, console: Console) -> dict:
     """``stare train`` on a local preset: the run folder (checked, then made or resumed), training with a progress
-    bar, the held-out evaluation (returned, as in eval.json). A new run that fails before its first checkpoint
-    leaves nothing behind, so a corrected retry is not refused."""
+    bar, the held-out evaluation (returned, as in eval.json). The folder is locked while this writes it
+    (``folder_lock``). A new run that fails before its first checkpoint leaves nothing behind, so a corrected retry
+    is not refused; one stopped by a signal keeps its folder, for ``--resume``."""
     check_device(resolved)
     check_model(resolved)
     existed = out.exists()
-    try:
-        if resume:
-            check_resumable(out)  # a cut metrics line, a checkpoint that does not load: one line, before any write
-        started = prepare_run_dir(out, resolved, resume)
-    except RunDirError as exc:
-        raise CliError(str(exc)) from None
-    try:
-        return _train(resolved, out, resume, console)
-    except BaseException:
-        if not started:
-            remove_unstarted_run(out, existed)
-        raise
+    check_free(out)  # another process writing there: refused before anything of it is read
+    with hold(out):
+        try:
+            if resume:
+                check_resumable(out)  # a cut metrics line, a checkpoint that does not load: one line, before any write
+            started = prepare_run_dir(out, resolved, resume)
+        except RunDirError as exc:
+            raise CliError(str(exc)) from None
+        try:
+            return _train(resolved, out, resume, console)
+        except stopping.Stopped:
+            stopping.report(f"the training in {out} (its last checkpoint is kept)")
+            raise
+        except BaseException:
+            if not started:
+                remove_unstarted_run(out, existed)
+            raise
 
 
 def _train(resolved: dict, out: Path, resume: bool, console: Console) -> dict:
@@ -105,22 +114,25 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
     first = next(iter(arm_set.resolved.values()))  # the arms share the preset's settings
     check_device(first)
     check_out_dir(out)
+    check_free(out)  # another process writing there (or in a folder above): refused before anything is read
     try:
         check_run_set_dir(out, arm_set.preset)
     except RunDirError as exc:
         raise CliError(str(exc)) from None
     check_model(first, prepare=True)
-    mark_run_set(out, arm_set.preset, arm_set.arms, arm_set.seeds)
-    console.print(f"[bold]stare run[/] {arm_set.preset}: {', '.join(arm_set.arms)} x {arm_set.seeds} seed(s) -> "
-                  f"{escape(str(out))}")
-    try:
-        dirs = run_arms(arm_set.resolved, out, seeds=arm_set.seeds, resume=resume, parallel=parallel, console=console)
-    except RunDirError as exc:
-        raise CliError(str(exc)) from None
-    runs = [load_run(d) for d in dirs]
-    write_comparison(out, runs)
-    accuracy = plot_accuracy(out, runs)  # only with eval_every (or checkpoint sweeps) on
-    return plot_curves(out, runs) + ([accuracy] if accuracy else [])
+    with hold(out):  # the arms' folders are inside: one lock for all
+        mark_run_set(out, arm_set.preset, arm_set.arms, arm_set.seeds)
+        console.print(f"[bold]stare run[/] {arm_set.preset}: {', '.join(arm_set.arms)} x {arm_set.seeds} seed(s) -> "
+                      f"{escape(str(out))}")
+        try:
+            dirs = run_arms(arm_set.resolved, out, seeds=arm_set.seeds, resume=resume, parallel=parallel,
+                            console=console)
+        except RunDirError as exc:
+            raise CliError(str(exc)) from None
+        runs = [load_run(d) for d in dirs]
+        write_comparison(out, runs)
+        accuracy = plot_accuracy(out, runs)  # only with eval_every (or checkpoint sweeps) on
+        return plot_curves(out, runs) + ([accuracy] if accuracy else [])
 
 
 def _warmstart_job(resolved: dict, folder: str) -> str:
@@ -141,12 +153,57 @@ def _arm_job(resolved: dict, run_dir: str, warmstart_dir: str | None, resume: bo
     return trainer.run(resume=resume)
 
 
-def _count_lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(1 for _ in f)
-    except FileNotFoundError:
-        return 0
+def _train_arms(plan: list, pool: ProcessPoolExecutor, futures: dict, progress: Progress, *, out: Path,
+                seeds: int) -> None:
+    """The warm starts (once per seed), then every arm not done, ``pool``'s workers at a time, drawn as progress
+    bars; ``futures`` holds the arms submitted and not finished (what a stop interrupts)."""
+    ws_needed = {}
+    for algo, seed, resolved, run_dir, done in plan:
+        if not done and resolved["settings"].get("model", "tiny") == "tiny":
+            ws_needed.setdefault(seed, resolved)
+    device = engine_device(plan[0][2]["settings"])
+    ws_dirs = {seed: out / "warmstart" / warmstart_name(device, f"seed{seed}") for seed in {p[1] for p in plan}}
+    if ws_needed:
+        t = progress.add_task("warm starts", total=len(ws_needed), status="supervised warm start")
+        for seed, r in ws_needed.items():
+            futures[f"warm start seed{seed}"] = pool.submit(_warmstart_job, r, str(ws_dirs[seed]))
+        for name in list(futures):
+            futures[name].result()
+            del futures[name]
+            progress.advance(t)
+    tasks = {}
+    for algo, seed, resolved, run_dir, done in plan:
+        name = algo if seeds == 1 else f"{algo} seed{seed}"
+        steps = resolved["settings"]["steps"]
+        tasks[run_dir] = progress.add_task(name, total=steps, completed=steps if done else 0,
+                                           status="done (kept)" if done else "queued")
+        if not done:
+            futures[run_dir] = pool.submit(_arm_job, resolved, str(run_dir), str(ws_dirs[seed]),
+                                           (run_dir / "checkpoint").exists())
+    while futures:
+        for run_dir, fut in list(futures.items()):
+            lines, rec = bars.last_record(run_dir / "metrics.jsonl")
+            if fut.done():
+                result = fut.result()  # re-raises a worker's error
+                k = result["k"]
+                progress.update(tasks[run_dir], completed=lines,
+                                status=f"avg@{k} {result[f'avg_at_{k}']:.3f} pass@{k} {result[f'pass_at_{k}']:.3f}")
+                del futures[run_dir]
+            elif lines:
+                progress.update(tasks[run_dir], completed=lines, status=bars.live_status(rec))
+        time.sleep(0.3)
+
+
+def _stop_pool(pool: ProcessPoolExecutor, futures: dict) -> None:
+    """A stop: no queued arm starts, the running ones get SIGTERM (each exits after the checkpoint it may be
+    writing), then SIGKILL after ``stopping.GRACE_S``; says how many of each."""
+    queued = sum(f.cancel() for f in futures.values())  # not handed to a worker yet
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # the executor's worker processes
+    for p in procs:
+        stopping.track(p)  # a second signal kills them at once
+    stopped = stopping.stop_processes(procs)
+    stopping.report(f"{stopped} worker(s) stopped, {queued} queued job(s) not started (each arm resumes from its "
+                    "last checkpoint)")
 
 
 def arm_dirs(out: Path, algos: list[str], seeds: int) -> dict[tuple[str, int], Path]:
@@ -173,39 +230,16 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
 
     ctx = mp.get_context("spawn")
     columns = bars.columns()  # steps, live reward and entropy, clock, ETA
-    with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx) as pool, \
-            Progress(*columns, console=console, transient=False) as progress:
-        ws_needed = {}
-        for algo, seed, resolved, run_dir, done in plan:
-            if not done and resolved["settings"].get("model", "tiny") == "tiny":
-                ws_needed.setdefault(seed, resolved)
-        device = engine_device(plan[0][2]["settings"])
-        ws_dirs = {seed: out / "warmstart" / warmstart_name(device, f"seed{seed}") for seed in {p[1] for p in plan}}
-        if ws_needed:
-            t = progress.add_task("warm starts", total=len(ws_needed), status="supervised warm start")
-            futures = [pool.submit(_warmstart_job, r, str(ws_dirs[seed])) for seed, r in ws_needed.items()]
-            for f in futures:
-                f.result()
-                progress.advance(t)
-        tasks, futures = {}, {}
-        for algo, seed, resolved, run_dir, done in plan:
-            name = algo if seeds == 1 else f"{algo} seed{seed}"
-            steps = resolved["settings"]["steps"]
-            tasks[run_dir] = progress.add_task(name, total=steps, completed=steps if done else 0,
-                                               status="done (kept)" if done else "queued")
-            if not done:
-                futures[run_dir] = pool.submit(_arm_job, resolved, str(run_dir), str(ws_dirs[seed]),
-                                               (run_dir / "checkpoint").exists())
-        while futures:
-            for run_dir, fut in list(futures.items()):
-                lines, rec = bars.last_record(run_dir / "metrics.jsonl")
-                if fut.done():
-                    result = fut.result()  # re-raises a worker's error
-                    k = result["k"]
-                    progress.update(tasks[run_dir], completed=lines,
-                                    status=f"avg@{k} {result[f'avg_at_{k}']:.3f} pass@{k} {result[f'pass_at_{k}']:.3f}")
-                    del futures[run_dir]
-                elif lines:
-                    progress.update(tasks[run_dir], completed=lines, status=bars.live_status(rec))
-            time.sleep(0.3)
+    # the workers ignore Ctrl-C and die with this process (stopping.worker_setup); a signal here stops them
+    pool = ProcessPoolExecutor(max_workers=parallel, mp_context=ctx, initializer=stopping.worker_setup,
+                               initargs=(os.getpid(),))
+    futures: dict = {}
+    try:
+        with Progress(*columns, console=console, transient=False) as progress:
+            _train_arms(plan, pool, futures, progress, out=out, seeds=seeds)
+    except stopping.Stopped:
+        _stop_pool(pool, futures)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return [p[3] for p in plan]

@@ -62,6 +62,7 @@ from .evaluate import evaluate_policy
 from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, response_logits, sample, token_logprobs
 from .tasks import get_task
 
+from .. import stopping
 from ..rundir import KEPT, atomic_write, read_jsonl  # KEPT: checkpoints/step-<S>/ (keep_checkpoint_every)
 
 CHECKPOINT = "checkpoint"
@@ -107,6 +108,10 @@ class LocalTrainer:
         self.step = 0
 
     def _save(self) -> None:
+        with stopping.critical():  # a stop waits for the checkpoint (its two renames above all)
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
         tmp = self.run_dir / (CHECKPOINT + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -137,13 +142,14 @@ class LocalTrainer:
         ``from_pretrained``), written through a temporary folder; a step redone after a resume replaces it."""
         folder = self.run_dir / KEPT / f"step-{self.step}"
         tmp = folder.with_name(folder.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        with stopping.critical():
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
 
     def _heldout(self) -> dict:
         """The held-out evaluation of ``finish`` (same problems, k and seed) at this step, as ``heldout/*`` metrics

@@ -23,15 +23,18 @@ class OpenRLHFVersionError(RuntimeError):
     pass
 
 
+class OpenRLHFMissing(OpenRLHFVersionError):
+    """No OpenRLHF at all (``stare.cli.openrlhf_train.install_hint`` says how to get it)."""
+
+
 def check_openrlhf_version(found: str | None = None) -> str:
     """The installed OpenRLHF version; raises ``OpenRLHFVersionError`` unless it is exactly ``OPENRLHF_VERSION``."""
     if found is None:
         try:
             found = version("openrlhf")
         except PackageNotFoundError:
-            raise OpenRLHFVersionError(
-                f"OpenRLHF is not installed; this build of stare plugs into openrlhf=={OPENRLHF_VERSION} "
-                f"(pip install 'stare[openrlhf]', or use the Docker image)") from None
+            raise OpenRLHFMissing(f"OpenRLHF is not installed; this build of stare plugs into "
+                                  f"openrlhf=={OPENRLHF_VERSION}") from None
     if found != OPENRLHF_VERSION:
         raise OpenRLHFVersionError(
             f"stare's OpenRLHF plugin is written against openrlhf=={OPENRLHF_VERSION}, found {found}; "

@@ -167,11 +167,17 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
 
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs(ray_address, dashboard, environ))
+        from ..stopping import reclaim
+
+        reclaim()  # ray.init's SIGTERM handler exits 15 without a word: a stare command's stop is ours
     plugin.register()
     saved = sys.argv
     sys.argv = [TRAIN_MODULE, *argv]
     try:
         runpy.run_module(TRAIN_MODULE, run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:  # a stop (SIGINT, SIGTERM: stare.cli.stopping): the actors, engines and a head go now
+        ray.shutdown()
+        raise
     finally:
         sys.argv = saved
 

@@ -1,0 +1,351 @@
+"""Stopping a command: SIGINT (Ctrl-C) and SIGTERM end every process of `stare run`, `stare train` and `stare eval`
+within seconds (checked by PID), leave what finished, and `--resume` then gives the uninterrupted result; a second
+Ctrl-C kills at once; a worker outlives no parent. All with real processes and signals."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tiny_models import PROBLEMS, build_tiny_model, write_problems
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death is Linux's")
+
+FAST = ["warmstart_steps=100", "warmstart_noise=0.3", "eval_problems=8", "prompts_per_step=4", "samples_per_prompt=4",
+        "train_problems=200", "micro_batch_size=8", "seeds=1"]
+
+
+def sets(*extra):
+    return sum((["--set", s] for s in [*FAST, *extra]), [])
+
+
+def stare_cmd(*args):
+    return [sys.executable, "-m", "stare.cli.main", *map(str, args)]
+
+
+def start(cmd, **kw):
+    """A process in a session of its own: its session id is its PID, shared by everything it starts."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+
+
+def session_pids(sid: int) -> set[int]:
+    """The live (not zombie) processes of session ``sid``, from /proc."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.add(int(entry.name))
+    return out
+
+
+def alive(pids) -> set[int]:
+    left = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if state[state.rindex(")") + 2] != "Z":
+            left.add(pid)
+    return left
+
+
+def wait_until(predicate, timeout=120.0, proc=None, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}: "
+                                 f"{proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def signal_and_measure(proc, sig, *, group=False):
+    """Send ``sig`` (to the process, or its whole group as a terminal's Ctrl-C does); returns (exit code, seconds
+    until every process of its session had ended, stderr)."""
+    pids = session_pids(proc.pid)
+    assert proc.pid in pids
+    t0 = time.monotonic()
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    _, err = proc.communicate(timeout=60)
+    wait_until(lambda: not alive(pids), timeout=30, what="every process of the session to end")
+    return proc.returncode, time.monotonic() - t0, err, pids
+
+
+def workers(sid: int) -> set[int]:
+    return {p for p in session_pids(sid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")}
+
+
+def metric_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_stare_run_stops_on_ctrl_c_sigterm_and_kill_then_resumes_to_the_uninterrupted_table(tmp_path):
+    args = ["run", "--preset", "tiny-cpu", "--algos", "grpo,stare", *sets("steps=24", "save_every=3")]
+    straight = tmp_path / "a" / "r"
+    res = subprocess.run(stare_cmd(*args, "--out", straight), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "b" / "r"
+    cmd = stare_cmd(*args, "--out", out)
+
+    # 1. Ctrl-C (SIGINT to the whole process group) during the warm starts: the workers ignore it, the parent stops
+    #    them; exit 130, one line with the exact resume command; nothing queued starts
+    proc = start(cmd)
+    wait_until(lambda: workers(proc.pid), proc=proc, what="the warm start's worker")  # one seed: one warm start
+    rc, seconds, err, pids = signal_and_measure(proc, signal.SIGINT, group=True)
+    assert rc == 130, err[-3000:]
+    assert seconds < 15, seconds
+    resume = ("stare run --preset tiny-cpu --algos grpo,stare " + " ".join(f"--set {s}" for s in
+              [*FAST, "steps=24", "save_every=3"]) + f" --out {out} --resume")
+    assert "stopped by SIGINT: 1 worker(s) stopped, 0 queued job(s) not started" in err and err.rstrip().endswith(f"Continue with: {resume}"), err
+    assert not (out / "grpo" / "metrics.jsonl").exists() or metric_lines(out / "grpo" / "metrics.jsonl") == 0
+    assert not (out / ".stare-lock").exists()
+
+    # 2. SIGTERM to the parent alone, mid-training: exit 143, its workers end too (no orphan keeps training)
+    proc = start([*cmd, "--resume"])
+    wait_until(lambda: metric_lines(out / "grpo" / "metrics.jsonl") >= 7, proc=proc, what="grpo's 7th step")
+    rc, seconds, err, pids = signal_and_measure(proc, signal.SIGTERM)
+    assert rc == 143 and "stopped by SIGTERM" in err, err[-3000:]
+    assert seconds < 15, seconds
+    stopped_at = metric_lines(out / "grpo" / "metrics.jsonl")
+    assert 7 <= stopped_at < 24 and not (out / "grpo" / "eval.json").exists()
+    assert (out / "grpo" / "checkpoint" / "trainer_state.pt").is_file()  # the last whole checkpoint, none cut
+    assert not (out / "grpo" / "checkpoint.old").exists() and not (out / "grpo" / "checkpoint.tmp").exists()
+
+    # 3. SIGKILL to the parent (no chance to clean up): the kernel stops its workers (parent-death signal); its lock
+    #    is left behind, and the next run takes it over with a warning
+    proc = start([*cmd, "--resume"])
+    wait_until(lambda: len(workers(proc.pid)) == 2 and metric_lines(out / "stare" / "metrics.jsonl") >= 1, proc=proc,
+               what="both arms training")
+    rc, seconds, err, pids = signal_and_measure(proc, signal.SIGKILL)
+    assert rc == -signal.SIGKILL and seconds < 15, (rc, seconds)
+    lock = json.loads((out / ".stare-lock").read_text())
+    assert lock["pid"] == proc.pid
+
+    res = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"took over the lock of PID {proc.pid}" in res.stderr
+    assert (out / "comparison.csv").read_text() == (straight / "comparison.csv").read_text()
+    for arm in ("grpo", "stare"):
+        a = [{k: v for k, v in json.loads(ln).items() if k != "time_s"}
+             for ln in (straight / arm / "metrics.jsonl").read_text().splitlines()]
+        b = [{k: v for k, v in json.loads(ln).items() if k != "time_s"}
+             for ln in (out / arm / "metrics.jsonl").read_text().splitlines()]
+        assert a == b, arm
+    assert not (out / ".stare-lock").exists()
+
+
+SECOND_SIGNAL = """
+import subprocess, sys, time
+from stare.cli import stopping
+stopping.GRACE_S = 120.0
+with stopping.stop_on_signals():
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"], stdout=subprocess.PIPE,
+                             text=True)
+    child.stdout.readline()
+    stopping.track(child)
+    print(child.pid, flush=True)
+    try:
+        while True:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        stopping.report("one child")
+        stopping.stop_processes([child])  # the child ignores SIGTERM: this waits out the grace period
+        raise
+"""
+
+
+def test_a_second_ctrl_c_kills_at_once(tmp_path):
+    proc = start([sys.executable, "-c", SECOND_SIGNAL])
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "stopping"
+    time.sleep(0.5)
+    assert proc.poll() is None and alive([child])  # the first stop waits for the child (which ignores SIGTERM)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=10)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 5
+    wait_until(lambda: not alive([child]), timeout=5, what="the child killed")
+
+
+def test_stop_processes_kills_what_ignores_sigterm_after_the_grace_period():
+    from stare.cli import stopping
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+    polite = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(600)"],
+                              stdout=subprocess.PIPE)
+    child.stdout.readline(), polite.stdout.readline()
+    t0 = time.monotonic()
+    assert stopping.stop_processes([child, polite], grace=1.0) == 2
+    took = time.monotonic() - t0
+    assert child.returncode == -signal.SIGKILL and polite.returncode == -signal.SIGTERM
+    assert 1.0 <= took < 4, took
+
+
+CRITICAL = """
+import sys, time
+from pathlib import Path
+from stare.cli import stopping
+mark = Path(sys.argv[1])
+with stopping.stop_on_signals():
+    with stopping.critical():
+        print("in", flush=True)
+        time.sleep(1.0)
+        mark.write_text("whole")
+    time.sleep(60)
+    mark.write_text("after the block: never")
+"""
+
+
+@pytest.mark.parametrize("worker", [False, True])
+def test_a_stop_waits_for_the_critical_block(tmp_path, worker):
+    mark = tmp_path / "mark"
+    script = CRITICAL.replace("with stopping.stop_on_signals():",
+                              "stopping.worker_setup()\nif True:") if worker else CRITICAL
+    proc = start([sys.executable, "-c", script, str(mark)])
+    assert proc.stdout.readline().strip() == "in"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+    assert proc.returncode == 143
+    assert mark.read_text() == "whole"  # the block finished, and nothing after it ran
+    if not worker:
+        assert "stopped by SIGTERM: nothing was running" in proc.stderr.read()
+
+
+DIES_WITH_PARENT = """
+import subprocess, sys, time
+from stare.cli import stopping
+child = subprocess.Popen([sys.executable, "-c", "from stare.cli.stopping import from_env; from_env(); "
+                          "print('ready', flush=True); import time; time.sleep(600)"], env=stopping.child_env(),
+                         stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_dies_with_its_parent():
+    proc = start([sys.executable, "-c", DIES_WITH_PARENT])
+    child = int(proc.stdout.readline())
+    assert alive([child])
+    proc.kill()
+    proc.wait()
+    wait_until(lambda: not alive([child]), timeout=10, what="the child to die with its parent")
+
+
+SLOW_EVAL = """
+import sys, time
+from stare.eval import harness
+generate = harness.HFBackend.generate
+def slow_generate(self, *args, **kwargs):
+    time.sleep(0.7)
+    return generate(self, *args, **kwargs)
+harness.HFBackend.generate = slow_generate
+sys.argv = ["stare", *sys.argv[1:]]
+from stare.cli.main import main
+main()
+"""
+
+
+def test_stare_eval_stops_on_sigterm_and_resumes_to_the_uninterrupted_summary(tmp_path):
+    model = build_tiny_model(tmp_path / "model", train=True, steps=150)
+    rows = PROBLEMS + [{"id": "p4", "problem": "What is 1+4?", "answer": "5"}]
+    data = write_problems(tmp_path / "mini.jsonl", rows)
+    args = ["eval", "--bench", "aime25", "--model", str(model), "--data-file", str(data), "--k", "2",
+            "--max-tokens", "12", "--backend", "hf", "--seed", "3"]
+    full = tmp_path / "full"
+    res = subprocess.run(stare_cmd(*args, "--out", full), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+    out = tmp_path / "stopped"
+    proc = start([sys.executable, "-c", SLOW_EVAL, *args, "--out", str(out)])
+    wait_until(lambda: (out / "samples.jsonl").exists() and (out / "samples.jsonl").read_text().count("\n") >= 2,
+               proc=proc, what="the first problem's samples")
+    rc, seconds, err, pids = signal_and_measure(proc, signal.SIGTERM)
+    assert rc == 143 and seconds < 10, (rc, seconds, err[-2000:])
+    assert f"stopped by SIGTERM: the evaluation in {out.absolute()}" in err or f"the evaluation in {out}" in err, err
+    assert err.rstrip().endswith("--resume"), err
+    done = (out / "samples.jsonl").read_text().count("\n")
+    assert 2 <= done < 2 * len(rows) and not (out / "summary.json").exists()
+    assert not (out / ".stare-lock").exists()
+    res = subprocess.run(stare_cmd(*args, "--out", out, "--resume"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+    def scores(folder):
+        s = json.loads((folder / "summary.json").read_text())
+        return {k: s[k] for k in ("avg_at_k", "pass_at_k", "maj_at_k", "n_problems", "per_problem") if k in s}
+
+    assert scores(out) == scores(full) and scores(full)["n_problems"] == len(rows)
+
+
+CLUSTER = """
+import sys
+from pathlib import Path
+from stare.cli import cluster_run as cr, stopping
+from stare.cli.run_set import resolve_run_set
+out = Path(sys.argv[1])
+arm_set = resolve_run_set("qwen-7b-short-cot", [], algos="grpo,dapo", seeds=None)
+plan = cr.plan_cluster_run(arm_set, out, preset_arg="qwen-7b-short-cot", sets=[],
+                           evals=cr.EvalOptions(["aime25"], "stare"), ray_address=None, resume=False, parallel=1)
+plan.parallel = 2  # both arms at once (a real --parallel 2 needs a Ray cluster's GPUs)
+for step in plan.steps:  # a long local training stands in for each OpenRLHF job
+    if step.kind == cr.TRAIN:
+        step.command = ["train", "--preset", "tiny-cpu", "--algo", step.arm, "--out", str(step.run_dir / "local"),
+                        *sys.argv[2:]]
+with stopping.stop_on_signals():
+    cr.run_cluster(plan, lambda line: print(line, flush=True))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_gpu_stare_runs_children_stop_with_it(tmp_path, sig):
+    """stare run on a GPU preset starts each step as a child in its own process group: a stop reaches them from the
+    parent (SIGTERM: each stare train stops as it would alone, and no evaluation starts); a parent killed outright
+    takes them with it (their parent-death signal)."""
+    out = tmp_path / "out"
+    proc = start([sys.executable, "-c", CLUSTER, str(out), *sets("steps=400", "warmstart_steps=5")])
+    metrics = [out / arm / "seed0" / "local" / "metrics.jsonl" for arm in ("grpo", "dapo")]
+    wait_until(lambda: all(metric_lines(m) >= 1 for m in metrics), proc=proc, what="both trainings stepping")
+    children = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(int(p.name)) == proc.pid}
+    assert len(children) == 2
+    groups = {os.getpgid(c) for c in children}
+    assert groups == children  # each leads its own group: a terminal's Ctrl-C reaches only the parent
+    procs = set().union(*(session_pids(c) for c in children)) | children
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    wait_until(lambda: not alive(procs), timeout=30, what="every child process to end")
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143
+        for arm in ("grpo", "dapo"):
+            log = (out / "logs" / f"{arm}-seed0-train.log").read_text()
+            assert "stopped by SIGTERM: the training in" in log, log[-2000:]
+            assert not (out / "logs" / f"{arm}-seed0-eval-aime25.log").exists()  # nothing new started
+    assert not any(m.with_name("eval.json").exists() for m in metrics)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
