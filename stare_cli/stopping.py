@@ -172,12 +172,14 @@ def kill_tracked() -> None:
 
 
 def stop_processes(procs, *, group: bool = False, grace: float | None = None) -> int:
-    """SIGTERM to each process (its group with ``group``), SIGKILL to those still there after ``grace`` seconds;
-    returns how many were running. Every one has ended when this returns."""
+    """SIGTERM to each process, SIGKILL to those still there after ``grace`` seconds (to the whole group of each
+    with ``group``, and to the group of one that left, for what it started there); returns how many were running.
+    Every one has ended when this returns. The SIGTERM goes to the process alone: a ``stare train`` stops its own
+    Ray head and workers in order, which a SIGTERM to all of them at once would not let it do."""
     grace = GRACE_S if grace is None else grace
     running = [p for p in procs if _alive(p)]
     for p in running:
-        _send(p, group, signal.SIGTERM)
+        _send(p, False, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(_alive(p) for p in running) and time.monotonic() < deadline:
         time.sleep(0.05)

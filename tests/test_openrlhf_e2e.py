@@ -31,6 +31,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -292,8 +293,8 @@ def results(work) -> dict[str, Result]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # `stare run` on the GPU preset: two arms x two seeds through the real loop, each final model evaluated on the real
-# vLLM CPU engine, then the comparison. Three invocations of one command: the first is killed (SIGKILL to its whole
-# session, as a crashed node) while stare's first seed sleeps after its step-1 checkpoint; the second (--resume)
+# vLLM CPU engine, then the comparison. Three invocations of one command: the first is stopped (SIGTERM to the
+# stare run process, as a scheduler's preemption) while stare's first seed sleeps after its step-1 checkpoint; the second (--resume)
 # continues that training from the checkpoint, and stare's second seed fails at launch (a planted failure: one
 # arm's run refused by the driver); the third (--resume) retries the failed one.
 
@@ -313,6 +314,9 @@ class RunSetResult:
     seconds: list[float]
     hashes: list[dict]  # after each invocation: file -> sha256 of every file under out (logs excepted)
     comparisons: list[dict | None]  # after each invocation: comparison.json
+    stop_pids: list[int] = field(default_factory=list)  # the first invocation's processes when SIGTERM was sent
+    survivors: list[int] = field(default_factory=list)  # those of them still there STOP_WAIT s later
+    stop_seconds: float | None = None  # from the SIGTERM until every one of them had ended
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -344,10 +348,16 @@ def run_set_chain(work: Path) -> RunSetResult:
             deadline = time.monotonic() + RUN_SET_TIMEOUT
             while proc.poll() is None and time.monotonic() < deadline:
                 if i == 0 and hold_log.exists() and hold_message in hold_log.read_text(errors="replace"):
-                    break  # stare seed0 sleeps after its step-1 checkpoint: kill everything, as a crash would
+                    _stop(proc, result)  # stare seed0 sleeps after its step-1 checkpoint: SIGTERM, as a scheduler
+                    break
                 time.sleep(0.5)
+            for pid in [proc.pid, *result.stop_pids]:  # whatever is left (nothing, when the stop worked)
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
             try:
-                os.killpg(proc.pid, 9)  # the command (if still there) and every process it started
+                os.killpg(proc.pid, 9)
             except ProcessLookupError:
                 pass
             proc.wait()
@@ -359,6 +369,50 @@ def run_set_chain(work: Path) -> RunSetResult:
         result.comparisons.append(json.loads(table.read_text()) if table.exists() else None)
     shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     return result
+
+
+STOP_WAIT = 120.0  # stare run gives a stopped step 60 s before SIGKILL; a working stop ends far sooner
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pids) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] != "Z":
+            left.append(pid)
+    return left
+
+
+def _stop(proc: subprocess.Popen, result: RunSetResult) -> None:
+    """SIGTERM to the stare run process alone (as a scheduler's preemption): record every process it had started
+    (its stare train child, Ray's processes, the actors, vLLM's), and how long until they all ended."""
+    result.stop_pids = _descendants(proc.pid)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    while time.monotonic() - start < STOP_WAIT and (proc.poll() is None or _alive(result.stop_pids)):
+        time.sleep(0.2)
+    result.survivors = _alive(result.stop_pids)
+    result.stop_seconds = round(time.monotonic() - start, 1)
 
 
 def run_set_result(results: dict) -> RunSetResult:
@@ -405,12 +459,30 @@ def test_stare_run_trains_evaluates_and_compares_every_arm_through_the_real_loop
     assert "| dapo |" in md and "| stare |" in md
 
 
-def test_stare_run_killed_keeps_finished_arms_and_resumes_the_interrupted_training(results):
-    """Killed while stare's first seed was between steps, the command had finished both dapo seeds (trained and
+def test_sigterm_stops_stare_run_its_training_ray_and_the_engine(results):
+    """SIGTERM to the stare run process while stare's first seed sleeps after its step-1 checkpoint: its stare train
+    child stops itself (Ray shut down, with the actors and the vLLM engine), no further step starts, every process
+    that was running ends well before the 60 s grace, and the command prints the exact resume command, exit 143."""
+    r = run_set_result(results)
+    assert r.rcs[0] == 143, (r.rcs, r.logs[0][-3000:])
+    assert len(r.stop_pids) >= 4, r.stop_pids  # stare train, and at least Ray's GCS, raylet and a worker
+    assert r.survivors == [], r.survivors
+    assert r.stop_seconds is not None and r.stop_seconds < 45, r.stop_seconds
+    train_log = (r.out / "logs" / "stare-seed0-train.log").read_text(errors="replace")
+    assert "stopped by SIGTERM: the OpenRLHF training in" in train_log, train_log[-3000:]
+    assert "train stare seed0: stopped after" in r.logs[0]
+    assert "stopped by SIGTERM: 1 running step(s) stopped" in r.logs[0]
+    assert r.logs[0].rstrip().endswith("--resume"), r.logs[0][-2000:]
+    assert "stare seed1" not in r.logs[0]  # nothing started after the stop
+    assert not (r.out / ".stare-lock").exists()
+
+
+def test_stare_run_stopped_keeps_finished_arms_and_resumes_the_interrupted_training(results):
+    """Stopped while stare's first seed was between steps, the command had finished both dapo seeds (trained and
     evaluated); the resumed command left every dapo file as it was, byte for byte, through both later invocations,
     and continued stare's first seed from its step-1 checkpoint (controller state included) to step 2."""
     r = run_set_result(results)
-    assert r.rcs[0] == -9, (r.rcs, r.logs[0][-3000:])
+    assert r.rcs[0] == 143, (r.rcs, r.logs[0][-3000:])
     first = r.hashes[0]
     dapo = {f: h for f, h in first.items() if f.startswith("dapo/")}
     for i in (0, 1):
