@@ -284,7 +284,8 @@ def results(work) -> dict[str, Result]:
     report = {name: {"rc": r.rc, "seconds": round(r.seconds, 1), "peak_pss_mb": round(r.peak_rss_mb)}
               for name, r in out.items() if isinstance(r, Result)}
     if run_set is not None:
-        report[RUN_SET] = {"rc": run_set.rcs, "seconds": run_set.seconds}
+        report[RUN_SET] = {"rc": run_set.rcs, "seconds": run_set.seconds, "stop_seconds": run_set.stop_seconds,
+                           "stopped_processes": len(run_set.stop_pids)}
     report["_wall_seconds"] = round(time.monotonic() - started, 1)
     (work / "timings.json").write_text(json.dumps(report, indent=1))
     print(f"\nopenrlhf e2e runs: {json.dumps(report)}")

@@ -77,7 +77,7 @@ def train_arm(resolved: dict, out: Path, *, resume: bool, console: Console) -> d
             raise CliError(str(exc)) from None
         try:
             return _train(resolved, out, resume, console)
-        except stopping.Stopped:
+        except KeyboardInterrupt:  # stopping.Stopped (or torch's KeyboardInterrupt of a wait it cut)
             stopping.report(f"the training in {out} (its last checkpoint is kept)")
             raise
         except BaseException:
@@ -237,7 +237,7 @@ def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume
     try:
         with Progress(*columns, console=console, transient=False) as progress:
             _train_arms(plan, pool, futures, progress, out=out, seeds=seeds)
-    except stopping.Stopped:
+    except KeyboardInterrupt:  # stopping.Stopped
         _stop_pool(pool, futures)
         raise
     finally:
