@@ -165,6 +165,9 @@ def train(
     policy actor: checkpoints in OUT/ckpt (resumed automatically with --resume), the final model in
     OUT/final, TensorBoard logs in OUT/tensorboard (keys train/stare/*). Check the exact OpenRLHF command
     first with --dry-run.
+
+    Ctrl-C or SIGTERM stops the training (and Ray, with its engines) after the checkpoint being written, exit 130 /
+    143, with the --resume command; OUT is locked while this writes it.
     """
     resolved = _resolve_or_fail(preset, algo, set_ or [])
     if ray_address is not None and not ray_address.strip():  # given empty: not "start a head here"
@@ -244,6 +247,9 @@ def run(
     `stare train` (OpenRLHF) per arm and seed into DIR/<arm>/seed<S>/, then `stare eval` of each final model on
     every benchmark into DIR/<arm>/seed<S>/eval-<bench>/ (logs in DIR/logs/); a failed step is reported and the
     others go on. Both write DIR/comparison.md, .csv, .json and the plots. --resume continues either.
+
+    Ctrl-C or SIGTERM stops every worker within seconds (exit 130 / 143) and prints the --resume command; DIR is
+    locked while this writes it (a second writer is refused).
     """
     from .run_set import resolve_run_set
 
@@ -383,6 +389,8 @@ def eval_(
     --harness lm-eval runs the shipped lm-eval tasks instead (no --resume) and writes the same summary fields.
     --checkpoints all (or every:50) evaluates the policies a run kept along the way (local: --set
     keep_checkpoint_every=N; OpenRLHF: --set save_hf_checkpoints=true), one folder per step.
+    Ctrl-C or SIGTERM stops it with every finished problem kept (exit 130 / 143; then --resume); the output folder
+    is locked while this writes it.
     """
     from stare.eval.summary import scores_line
 
