@@ -103,9 +103,29 @@ def worker_setup(parent_pid: int | None = None) -> None:
     """In a worker process (a ``ProcessPoolExecutor`` initializer): ignore SIGINT, exit on SIGTERM (after a
     ``critical`` block), and die with the parent."""
     _state.worker = True
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also drops a SIGINT held back while it started (``spawning``)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGTERM, _handler)
     die_with_parent(parent_pid)
+
+
+@contextmanager
+def spawning():
+    """Around the start of worker processes: SIGINT is held back (blocked) in this thread, so a child starts with it
+    blocked and a Ctrl-C in its first second (its interpreter still importing, before ``worker_setup``) cannot kill
+    it half-started; a SIGINT that reaches this process meanwhile acts when the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def submit(pool, fn, *args):
+    """``pool.submit(fn, *args)`` for a ``ProcessPoolExecutor`` whose workers run ``worker_setup``: a submit may
+    start a worker, so it runs under ``spawning``."""
+    with spawning():
+        return pool.submit(fn, *args)
 
 
 def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> None:

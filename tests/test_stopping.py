@@ -232,6 +232,42 @@ def test_a_stop_waits_for_the_critical_block(tmp_path, worker):
         assert "stopped by SIGTERM: nothing was running" in proc.stderr.read()
 
 
+STARTING_WORKER = """
+import multiprocessing as mp, os, signal, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from stare.cli import stopping
+
+def job():
+    return os.getpid()
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=stopping.worker_setup,
+                               initargs=(os.getpid(),))
+    with stopping.stop_on_signals():
+        try:
+            fut = stopping.submit(pool, job)
+            os.killpg(0, signal.SIGINT)  # Ctrl-C while the worker's interpreter is still starting
+            time.sleep(30)
+        except KeyboardInterrupt:
+            print("parent stopped", flush=True)
+            print("worker ran", fut.result(timeout=60) > 0, flush=True)  # a dead worker: BrokenProcessPool
+            pool.shutdown()
+            raise
+"""
+
+
+def test_a_ctrl_c_while_a_worker_starts_does_not_kill_it_half_started(tmp_path):
+    # the CI failure this guards: SIGINT reached a spawned worker during its imports, before worker_setup ignored it
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING_WORKER)
+    for _ in range(3):
+        proc = start([sys.executable, str(script)])
+        out, err = proc.communicate(timeout=120)
+        assert out.splitlines() == ["parent stopped", "worker ran True"], err[-3000:]
+        assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
+        assert proc.returncode == 130
+
+
 DIES_WITH_PARENT = """
 import subprocess, sys, time
 from stare.cli import stopping

@@ -166,7 +166,7 @@ def _train_arms(plan: list, pool: ProcessPoolExecutor, futures: dict, progress: 
     if ws_needed:
         t = progress.add_task("warm starts", total=len(ws_needed), status="supervised warm start")
         for seed, r in ws_needed.items():
-            futures[f"warm start seed{seed}"] = pool.submit(_warmstart_job, r, str(ws_dirs[seed]))
+            futures[f"warm start seed{seed}"] = stopping.submit(pool, _warmstart_job, r, str(ws_dirs[seed]))
         for name in list(futures):
             futures[name].result()
             del futures[name]
@@ -178,8 +178,8 @@ def _train_arms(plan: list, pool: ProcessPoolExecutor, futures: dict, progress: 
         tasks[run_dir] = progress.add_task(name, total=steps, completed=steps if done else 0,
                                            status="done (kept)" if done else "queued")
         if not done:
-            futures[run_dir] = pool.submit(_arm_job, resolved, str(run_dir), str(ws_dirs[seed]),
-                                           (run_dir / "checkpoint").exists())
+            futures[run_dir] = stopping.submit(pool, _arm_job, resolved, str(run_dir), str(ws_dirs[seed]),
+                                               (run_dir / "checkpoint").exists())
     while futures:
         for run_dir, fut in list(futures.items()):
             lines, rec = bars.last_record(run_dir / "metrics.jsonl")
