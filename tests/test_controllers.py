@@ -50,6 +50,31 @@ def test_band_gate_sequence_by_hand():
     assert set(kwargs) == {"gate_on", "w", "m", "damp", "direction"}
 
 
+EPS = 1e-6
+
+
+@pytest.mark.parametrize("two_sided", [False, True])
+def test_band_gate_at_and_beside_both_edges_with_the_default_target(two_sided):
+    """The default target is the band's top (0.45), so below it the push up starts at once and above it, two-sided,
+    the push down is at full strength at once (its span, top - target, is 0). At the top itself neither acts: the
+    branch is ``h > high``, and ``>=`` would push down at full strength there."""
+    gate = BandGate(0.3, 0.45, w=1.5, m=0.5, damp=0.5, two_sided=two_sided)
+    cases = {  # H: (strength, direction), worked out by hand from the band [0.3, 0.45], target 0.45, gain 1
+        0.45: (0.0, 1),  # the top (= the target): nothing
+        0.45 + EPS: (1.0, -1) if two_sided else (0.0, 1),  # just above: full push down, or off
+        0.45 - EPS: (EPS / 0.15, 1),  # just below: the push up starts from 0
+        0.3 + EPS: (1 - EPS / 0.15, 1),  # just above low: almost full
+        0.3: (1.0, 1),  # low: full strength
+        0.3 - EPS: (1.0, 1),  # below: capped
+    }
+    for h, (strength, direction) in cases.items():
+        st = gate.update(h)
+        assert st.strength == pytest.approx(strength, rel=1e-9, abs=1e-15), h
+        assert st.direction == direction and st.gate_on == (strength > 0), h
+        assert (st.w, st.m, st.damp) == pytest.approx((1 + 0.5 * strength, 1 - 0.5 * strength, 1 - 0.5 * strength),
+                                                      rel=1e-12, abs=1e-15), h
+
+
 @pytest.mark.parametrize("make", [
     lambda: PaperGate(0.3, adaptive=True, alpha=0.05),
     lambda: BandGate(0.2, 0.5, two_sided=True),

@@ -215,7 +215,7 @@ def test_clip_cov_step_count_is_saved_with_the_checkpoint(monkeypatch, tmp_path)
     exp = base._experience(base._model())
     _, a, _, _, _ = _run_step(monkeypatch, "clip-cov", "token-mean", exp, telemetry="off")
     assert a.stare.steps == 1
-    (tmp_path / "_actor").mkdir()
+    (tmp_path / "_actor" / "global_step1").mkdir(parents=True)  # what DeepSpeed saved just before
     (tmp_path / "_actor" / "latest").write_text("global_step1")
     plugin.save_stare_state(a, str(tmp_path), "global_step1", keep=2)
     b = base._install(base._trainer(monkeypatch, base._model(), base._args()))

@@ -289,7 +289,7 @@ def test_controller_state_is_saved_with_the_checkpoint_and_restored(monkeypatch,
         a.replay_buffer.append(copy.deepcopy(exp))
         a.stare.prepare_step()
     assert a.stare.controller.w == pytest.approx(1.1 + 3 * 0.05)
-    (tmp_path / "_actor").mkdir()
+    (tmp_path / "_actor" / "global_step3").mkdir(parents=True)  # what DeepSpeed saved just before
     (tmp_path / "_actor" / "latest").write_text("global_step3")
     plugin.save_stare_state(a, str(tmp_path), "global_step3", keep=2)
     b = _install(_trainer(monkeypatch, _model(), args))

@@ -251,6 +251,7 @@ def test_resume_line_names_the_checkpoint_and_where_it_stands(tmp_path):
     for step, consumed, finished in ((1, 3, False), (2, 4, True)):
         client = {"episode": 0, "global_step": step, "total_consumed_prompts": consumed,
                   "data_loader_state_dict": {**loader, compat.LOADER_FINISHED: finished}}
+        (ckpt / "_actor" / f"global_step{step}").mkdir()  # DeepSpeed's folder, saved just before the state
         save_stare_state(_Controller(step), str(ckpt), f"global_step{step}", 2, client)
     (ckpt / "_actor" / "latest").write_text("global_step1")  # DeepSpeed's tag file names what OpenRLHF loads
     tail = ("; a step past it is trained again from the same prompts, its rollouts sampled anew (OpenRLHF does not "

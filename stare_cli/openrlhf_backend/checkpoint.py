@@ -22,9 +22,13 @@ def stare_state_dir(ckpt_path: str) -> Path:
 
 
 def save_stare_state(trainer, ckpt_path: str, tag: str, keep: int, client_states: dict | None = None) -> Path:
-    """Write the controller state of ``trainer.stare`` for checkpoint ``tag``, keep the newest ``keep``; with
-    ``client_states`` (what OpenRLHF's trainer saves with the checkpoint), also where in the prompts the run is
-    (``position``), for ``stare train --resume`` to say before it starts."""
+    """Write the controller state of ``trainer.stare`` for checkpoint ``tag`` (just saved by OpenRLHF), and keep the
+    states of exactly the checkpoints OpenRLHF kept: its rotation (``DeepspeedStrategy.save_ckpt``) is its own,
+    keeping ``max_num`` of them by metric first and age second, and protecting ``best*`` ones, so the newest
+    ``keep`` states could belong to checkpoints it deleted while the ones it kept lose theirs. Without DeepSpeed
+    checkpoints (no ``_actor/``), the newest ``keep``. With ``client_states`` (what OpenRLHF's trainer saves with the
+    checkpoint), also where in the prompts the run is (``position``), for ``stare train --resume`` to say before it
+    starts."""
     d = stare_state_dir(ckpt_path)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{tag}.json"
@@ -35,8 +39,14 @@ def save_stare_state(trainer, ckpt_path: str, tag: str, keep: int, client_states
     tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, path)
     (d / "latest").write_text(tag)
-    files = sorted(d.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    for old in files[: max(0, len(files) - max(1, keep))]:
+    ds_dir = Path(ckpt_path) / "_actor"  # DeepSpeed's checkpoints, one folder per tag
+    if ds_dir.is_dir():
+        kept = {p.name for p in ds_dir.iterdir() if p.is_dir()}  # the new tag among them: it was just saved
+        stale = [p for p in d.glob("*.json") if p.stem not in kept]
+    else:
+        files = sorted(d.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        stale = files[: max(0, len(files) - max(1, keep))]
+    for old in stale:
         old.unlink(missing_ok=True)
     return path
 
