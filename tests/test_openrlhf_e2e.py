@@ -47,16 +47,17 @@ TESTS = Path(__file__).resolve().parent
 PATCH_DIR = TESTS / "openrlhf_cpu"
 sys.path.insert(0, str(PATCH_DIR))
 import openrlhf_cpu_patches as patches  # noqa: E402
+from loop_env import PRESET, SIZING, loop_env  # noqa: E402 - the CPU sizing and environment of a run
 
 from vllm_cpu_env import ENV_DIR, ENV_PY, ENV_STARE, skip_module_unless_present  # noqa: E402
 
 RUN_TIMEOUT = 900  # seconds for one `stare train` (start-up dominates: the vLLM engine, DeepSpeed, two model loads)
 PARALLEL = int(os.environ.get("STARE_E2E_PARALLEL", "2"))
-PRESET = "qwen-7b-short-cot"
-CPU_FLAGS = "--ds.attn_implementation sdpa --vllm.sync_backend gloo --vllm.enforce_eager"
 IS_CORRECTION = "--algo.advantage.is_correction_level token"
-# |train/vllm_kl| with the sync: 1e-4 would be too tight, since after an update the two bf16 engines differ by up to
-# 2.4e-3 with the sync working (step 1, from the same checkpoint, agrees to 1e-6); a skipped load gives 0.5-2
+# |train/vllm_kl| with the sync: the weights are checked bit for bit (test_the_engine_samples_with_the_trainers_weights_
+# bit_for_bit); this checks that vLLM samples with them. The two bf16 engines' arithmetic differs: with the weights
+# bit-exact, 1.1e-3 and 4.6e-3 at steps 2 and 3 (lr 1e-2), -5.8e-7 at step 1; a skipped load gives 0.5-2, one
+# parameter left out of the sync 0.06 and 0.37 (docs/openrlhf-backend.md)
 VLLM_KL_LIMIT = 2e-2
 
 
@@ -94,14 +95,6 @@ class Result:
         pytest.fail(f"{self.run.name}: {what}\n--- last lines of its output ---\n{self.log[-6000:]}")
 
 
-# The shared sizing: 3 problems x 8 samples per step, 16 new tokens. One DeepSpeed optimizer step per group of 8
-# (train_batch_size = samples_per_prompt), so dynamic filtering never leaves half an accumulation window. With 8
-# samples of a model that answers right one time in three, a group is all-equal (and filtered out) with
-# probability (1/3)^8 + (2/3)^8 = 4%, all three at once 6e-5: a step always trains.
-SIZING = ["colocate=false", "packing=false", "apply_chat_template=false", "gpus_per_node=1", "vllm_engines=1",
-          "samples_per_prompt=8", "prompts_per_step=3", "train_batch_size=8", "micro_batch_size=8",
-          "rollout_micro_batch_size=8", "max_prompt_len=64", "max_response_len=16", "save_steps=1",
-          "max_checkpoints=2", "episodes=2"]
 # The resume runs: the algorithm's defaults (dynamic filtering on) on a prompt file of their own, the three problems
 # plus one whose gold answer the model never gives (always all wrong, so dynamic filtering always drops it), two
 # prompts a step, 2 episodes. Whatever the shuffled order, each episode is 2 steps and 4 prompts, and its second step
@@ -135,8 +128,10 @@ RUNS = [
     Run("dapo", "dapo", OVERLONG),
     Run("stare-c2", "stare-c2"),
     # two DeepSpeed ranks (ZeRO-3 over gloo; STARE's statistics all-reduced): the old-log-prob forwards in chunks of
-    # 4 (an even number of chunks whatever dynamic filtering keeps: 8, 16 or 24 samples), micro-batches of 4
-    Run("stare-phi-2ranks", "stare-phi", ["gpus_per_node=2", "rollout_micro_batch_size=4", "micro_batch_size=4"],
+    # 4 (an even number of chunks whatever dynamic filtering keeps: 8, 16 or 24 samples), micro-batches of 4; lr 1e-3,
+    # so an update changes the bf16 weights the sync sends (the bit-exact sync check needs them to move)
+    Run("stare-phi-2ranks", "stare-phi", ["gpus_per_node=2", "rollout_micro_batch_size=4", "micro_batch_size=4",
+                                          "lr=1e-3"],
         gpus=3),
     Run("clip-cov", "clip-cov"),
     Run("kl-cov", "kl-cov"),
@@ -156,24 +151,16 @@ def ray_tmpdir(run: Run) -> str:
 
 
 def run_env(run: Run, work: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STARE_E2E_", "RAY_"))}
-    iomp = ENV_DIR / "lib" / "libiomp5.so"
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(PATCH_DIR), str(TESTS)]),
-        STARE_E2E_CPU_PATCHES="1",
-        STARE_E2E_PATCH_LOG=str(work / "patches.log"),
-        STARE_E2E_EXTRA_ARGS=f"{CPU_FLAGS} {run.extra_flags}".strip(),
-        STARE_E2E_POSITIONS=str(positions_file(run, work)),
-        RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": run.gpus, "CPU": 8}),
-        RAY_TMPDIR=ray_tmpdir(run),
-        DS_ACCELERATOR="cpu",
-        TORCH_EXTENSIONS_DIR=str(ENV_DIR / "torch_extensions"),  # DeepSpeed's CPU ops, built by the env script
-        VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_CI_ENV="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-    )
-    if iomp.exists():  # vLLM's CPU build wants Intel's OpenMP first
-        env["LD_PRELOAD"] = " ".join(p for p in (str(iomp), os.environ.get("LD_PRELOAD", "")) if p)
+    env = loop_env(ENV_DIR, gpus=run.gpus, ray_tmpdir=ray_tmpdir(run), patch_log=work / "patches.log",
+                   positions=positions_file(run, work), extra_flags=run.extra_flags)
+    env[patches.SYNC_LOG_ENV] = str(sync_log(run, work))
     env.update(run.env)
     return env
+
+
+def sync_log(run: Run, work: Path) -> Path:
+    """Where both sides of the run's weight syncs record their checksums (patches.patch_sync_checksums)."""
+    return work / f"{run.name}{'-resume' if run.resume else ''}.sync.jsonl"
 
 
 def positions_file(run: Run, work: Path) -> Path:
@@ -590,7 +577,7 @@ def test_every_cpu_patch_applied(results, work):
     lines = (work / "patches.log").read_text().split()
     applied = set(lines[0::2])
     assert set(patches.CPU_PATCHES) <= applied, f"never applied: {sorted(set(patches.CPU_PATCHES) - applied)}"
-    assert {"trainer-crash", "extra-args"} <= applied
+    assert {"trainer-crash", "extra-args", "sync-checksums"} <= applied
     for name, r in results.items():
         logs = r.logs if isinstance(r, RunSetResult) else [r.log]
         assert not any("PatchDoesNotApply" in log for log in logs), f"{name}: a patch did not apply"
@@ -679,6 +666,37 @@ def test_weight_sync_check_fails_when_the_engine_loads_nothing(results):
     kl = _vllm_kl(ok(results, "dr-grpo-nosync"))
     assert abs(kl[1]) < VLLM_KL_LIMIT, kl  # nothing has been trained yet at step 1
     assert max(abs(kl[s]) for s in (2, 3)) > VLLM_KL_LIMIT, kl
+
+
+def syncs(path: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """The trainer's and the engine's records of every weight sync: sync number -> {parameter: sha256}."""
+    sides: dict[str, dict[int, dict]] = {"trainer": {}, "engine": {}}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["sync"] not in sides[rec["side"]], f"two {rec['side']} records of sync {rec['sync']} in {path}"
+        sides[rec["side"]][rec["sync"]] = rec["params"]
+    return sides["trainer"], sides["engine"]
+
+
+@pytest.mark.parametrize("name", ["dr-grpo", "stare-phi-2ranks"])
+def test_the_engine_samples_with_the_trainers_weights_bit_for_bit(results, work, name):
+    """After every update, every parameter of the trainer's model (gathered under ZeRO-3; one rank, then two) is the
+    tensor the vLLM worker loaded for its next generation, bit for bit (SHA-256 of the bytes), and the update moved
+    the weights, so an engine a sync late, or missing one parameter, would differ."""
+    from safetensors import safe_open
+
+    r = ok(results, name)
+    trainer, engine = syncs(sync_log(r.run, work))
+    assert sorted(trainer) == list(range(1, r.run.steps + 1)), sorted(trainer)  # one sync after every update
+    with safe_open(str(work / "model" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())  # the model's parameters, read from its file
+    for step, params in trainer.items():
+        assert set(params) == names, (step, sorted(set(params) ^ names))
+        assert engine.get(step) == params, (step, sorted(n for n in params if (engine.get(step) or {}).get(n)
+                                                         != params[n]))
+    for step in range(2, r.run.steps + 1):
+        moved = [n for n in names if trainer[step][n] != trainer[step - 1][n]]
+        assert len(moved) >= len(names) // 2, (step, sorted(names - set(moved)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ checkpoint, and ``STARE_E2E_CRASH_IN_STEP=N`` when it is handed step N's rollout
 tests); ``STARE_E2E_POSITIONS=FILE`` appends to FILE, at every checkpoint, the position OpenRLHF's trainer saves with
 it (episode, global step, prompts consumed, whether the prompt loader ran dry); ``STARE_E2E_SKIP_WEIGHT_LOAD=1`` makes
 the vLLM worker receive each weight sync but load nothing (the negative control of the weight-sync check).
+``STARE_E2E_SYNC_LOG=FILE`` records both sides of every weight sync, bit for bit (``patch_sync_checksums``), and
+``STARE_E2E_SYNC_SKIP_PARAM=NAME`` plants a sync that leaves one parameter out (what that record must catch).
 ``STARE_E2E_EXTRA_ARGS`` appends OpenRLHF flags that only a CPU run needs (argparse keeps the last value of a repeated
 flag).
 """
@@ -38,6 +40,8 @@ SKIP_LOAD_ENV = "STARE_E2E_SKIP_WEIGHT_LOAD"
 EXTRA_ARGS_ENV = "STARE_E2E_EXTRA_ARGS"
 HOLD_ENV = "STARE_E2E_HOLD"  # ALGO:SEED:STEP: that run's trainer stops (sleeps) after step STEP's checkpoint
 FAIL_ENV = "STARE_E2E_FAIL_RUN"  # ALGO:SEED: that run's driver fails at launch, before Ray starts
+SYNC_LOG_ENV = "STARE_E2E_SYNC_LOG"  # FILE: both sides of every weight sync append the checksum of every parameter
+SYNC_SKIP_ENV = "STARE_E2E_SYNC_SKIP_PARAM"  # NAME: the trainer leaves that parameter out of every sync (a planted bug)
 HOLD_MESSAGE = "STARE e2e: holding after step {step}'s checkpoint"
 CRASH_EXIT_CODE = 17
 
@@ -199,9 +203,79 @@ def patch_worker_update_weight(module) -> None:
             _record("skip-weight-load")
             return
         self.reload_weights(weights_iterator=iter(pending))
+        _log_sync(self, "engine", {n: checksum(w) for n, w in pending})
 
     cls.update_weight = update_weight
     _record("worker-update-weight")
+
+
+def checksum(tensor) -> str:
+    """SHA-256 of a tensor's bytes (its dtype, shape and every bit of its values)."""
+    import hashlib
+
+    t = tensor.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode())
+    h.update(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _log_sync(owner, side: str, params: dict) -> None:
+    """Append one weight sync's checksums to ``$STARE_E2E_SYNC_LOG``: {"side", "sync" (1, 2, ... in this process),
+    "params": {name: sha256}}."""
+    path = os.environ.get(SYNC_LOG_ENV)
+    if not path:
+        return
+    import json
+
+    owner._stare_syncs = getattr(owner, "_stare_syncs", 0) + 1
+    with open(path, "a") as f:
+        f.write(json.dumps({"side": side, "sync": owner._stare_syncs, "pid": os.getpid(), "params": params}) + "\n")
+
+
+# ---- test hook: the weight sync, bit for bit --------------------------------------------------------------------
+def patch_sync_checksums(module) -> None:
+    """``STARE_E2E_SYNC_LOG=FILE``: after each ``ActorPPOTrainer.broadcast_to_vllm`` (the sync after every update), the
+    trainer's rank 0 records the checksum of every parameter of its model (gathered under ZeRO-3, by every rank
+    together, as the sync gathers them), and the vLLM worker records the checksum of every tensor it handed to its
+    weight reload (``patch_worker_update_weight``): the weights its next generation samples with. The two records of a
+    sync must be equal. The trainer's record lists the model's parameters, not what the sync sent, so a parameter the
+    sync leaves out is missing on the engine's side only. ``STARE_E2E_SYNC_SKIP_PARAM=NAME`` plants that bug: the
+    sync iterates the model's parameters without NAME. (vLLM's CPU build prepacks its linear layers' weights for its
+    GEMM kernels and keeps no copy in the HF layout, so what the engine loaded is the last point where its weights
+    can be read as sent.)"""
+    path, skip = os.environ.get(SYNC_LOG_ENV), os.environ.get(SYNC_SKIP_ENV)
+    if not (path or skip):
+        return
+    cls = module.ActorPPOTrainer
+    _expect(cls.broadcast_to_vllm, "model.named_parameters()", "sync-checksums")
+    _expect(cls.broadcast_to_vllm, "GatheredParameters", "sync-checksums")
+    original = cls.broadcast_to_vllm
+
+    def broadcast_to_vllm(self):
+        import deepspeed
+        import torch
+
+        model = self.actor.model.module
+        if skip:  # the planted bug: one parameter never sent
+            every = type(model).named_parameters
+            model.named_parameters = lambda *a, **k: ((n, p) for n, p in every(model, *a, **k) if n != skip)
+            _record("sync-skip-param")
+        try:
+            original(self)
+        finally:
+            model.__dict__.pop("named_parameters", None)
+        if not path:
+            return
+        sums = {}
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], enabled=self.strategy.args.ds.zero_stage == 3):
+                if torch.distributed.get_rank() == 0:
+                    sums[name] = checksum(param.data)
+        if torch.distributed.get_rank() == 0:
+            _log_sync(self, "trainer", sums)
+
+    cls.broadcast_to_vllm = broadcast_to_vllm
+    _record("sync-checksums")
 
 
 # ---- 7. flash_attn, imported at module level ---------------------------------------------------------------------
@@ -307,6 +381,7 @@ PATCHES = {
     "openrlhf.utils.deepspeed.deepspeed": patch_device_mesh,
     "openrlhf.utils.distributed_util": patch_sync_group,
     "openrlhf.trainer.ray.vllm_worker_wrap": patch_worker_update_weight,
+    "openrlhf.trainer.ray.ppo_actor": patch_sync_checksums,
     "stare.cli.openrlhf_backend.actor": patch_trainer_crash,
     "stare.cli.openrlhf_backend.launch": patch_extra_args,
 }
