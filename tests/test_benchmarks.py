@@ -109,3 +109,42 @@ def test_ratio_interval_matches_the_enumerated_bootstrap_distribution():
 def test_ratio_interval_rejects_unpaired_times():
     with pytest.raises(ValueError, match="one time per repeat"):
         _timing().ratio_interval([1.0, 2.0], [1.0])
+
+
+def _loop_bench():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_openrlhf_loop
+    finally:
+        sys.path.pop(0)
+    return bench_openrlhf_loop
+
+
+def test_loop_benchmark_reads_openrlhfs_step_timings_from_tensorboard(tmp_path):
+    """The loop benchmark's figures are OpenRLHF's own per-step timings as its TensorBoard logger writes them
+    (`train/` prefix, one scalar per step); other tags are ignored and a later event file wins."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "tensorboard" / "run"
+    with SummaryWriter(str(run)) as w:
+        for step in range(1, 4):
+            w.add_scalar("train/timing/ppo_train", 0.5 * step, step)
+            w.add_scalar("train/timing/make_experience", 0.25 + step, step)
+            w.add_scalar("train/timing/generation", 9.0, step)
+    times = _loop_bench().step_times(tmp_path)
+    assert times == {"timing/ppo_train": {1: 0.5, 2: 1.0, 3: 1.5}, "timing/make_experience": {1: 1.25, 2: 2.25,
+                                                                                              3: 3.25}}
+
+
+def test_loop_benchmark_interval_matches_the_enumerated_bootstrap():
+    """Unpaired: each arm's steps resampled on their own. With 4 and 3 steps there are 4^4 x 3^3 equally likely
+    resamples; the interval's ends lie within the enumerated distribution's 2nd-8th and 92nd-98th percentiles."""
+    import itertools
+    import statistics
+
+    variant, base = [1.1, 1.3, 1.0, 1.6], [1.0, 1.2, 0.9]
+    ratios = sorted(statistics.median(v) / statistics.median(b) for v in itertools.product(variant, repeat=4)
+                    for b in itertools.product(base, repeat=3))
+    low, high = _loop_bench().ratio_interval_unpaired(variant, base, resamples=20000)
+    q = lambda f: ratios[int(f * (len(ratios) - 1))]  # noqa: E731
+    assert q(0.02) <= low <= q(0.08) and q(0.92) <= high <= q(0.98), (low, high, q(0.05), q(0.95))
