@@ -30,10 +30,16 @@ def test_dry_run_prints_one_json_object(tmp_path):
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
 
-def _closed_port() -> int:
+CLOSED_PORT = "{closed port}"  # in an argument: a port bound (so no other process can take it) and not listening
+
+
+@pytest.fixture
+def closed_port():
+    """A local port that refuses connections for the whole test: bound here, never listening. (A port closed
+    before the test ran could be taken meanwhile by another process's listener, Ray's in a parallel test.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -44,11 +50,12 @@ def _closed_port() -> int:
     (["--preset", "qwen-7b-short-cot", "--set", "vllm_engines=3"], "vllm_engines x vllm_tensor_parallel (3 x 1)"),
     (["--preset", "qwen-7b-tool-use"], "pass --set cold_start_checkpoint=PATH"),
     (["--preset", "qwen-7b-short-cot", "--ray-address", "head-without-port"], "is not HOST:PORT"),
-    (["--preset", "qwen-7b-short-cot", "--ray-address", f"127.0.0.1:{_closed_port()}"],
+    (["--preset", "qwen-7b-short-cot", "--ray-address", f"127.0.0.1:{CLOSED_PORT}"],
      "cannot reach the Ray cluster at '127.0.0.1:"),
     (["--preset", "tiny-cpu", "--ray-address", "127.0.0.1:6379"], "--ray-address 127.0.0.1:6379: the flag is for GPU presets"),
 ])
-def test_bad_input_is_one_line_exit_2_and_starts_nothing(tmp_path, args, message):
+def test_bad_input_is_one_line_exit_2_and_starts_nothing(tmp_path, closed_port, args, message):
+    args = [a.replace(CLOSED_PORT, str(closed_port)) for a in args]
     res = stare("train", *args, "--out", "run", cwd=tmp_path)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

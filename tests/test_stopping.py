@@ -161,8 +161,8 @@ with stopping.stop_on_signals():
                              text=True)
     child.stdout.readline()
     stopping.track(child)
-    print(child.pid, flush=True)
     try:
+        print(child.pid, flush=True)  # inside the try: the test's SIGINT, sent on reading it, lands here
         while True:
             time.sleep(0.05)
     except KeyboardInterrupt:
