@@ -8,8 +8,8 @@ lists the telemetry names with their meanings. See docs/algorithm.md for the mat
 # (a module __getattr__), so `stare algos`, `stare presets` and `stare --help` never import torch. Every name below
 # is importable from stare.algorithms.
 from .controllers import BandGate, ControllerState, PaperGate
-from .registry import ALGORITHMS, SETTING_NAMES, TOKEN_RULES, AlgoConfig, get_algorithm
-from .token_rules import TokenRule, get_token_rule
+from .registry import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
+from .token_rules import TOKEN_RULES, TokenRule, get_token_rule, register_token_rule
 
 _LAZY = {
     "_checks": ("check_finite",),
@@ -47,6 +47,7 @@ __all__ = [
     "batch_mean", "check_finite", "clip_cov_seed", "clip_cov_weights", "entropy_forecast_sums", "entropy_sensitivity",
     "entropy_top_weights", "floor_count", "get_algorithm", "get_token_rule", "group_advantages", "informative_groups",
     "kl_cov_coefs", "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss",
-    "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "reweight_stats", "reweight_sums", "stare_step",
+    "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "register_token_rule", "reweight_stats",
+    "reweight_sums", "stare_step",
     "stare_token_weights", "token_covariance", "top_count", "upgrade_metric_names",
 ]

@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 # no torch import on this path (stare algos / presets stay fast): the choices' names live in _plain
-from ._plain import CONTROLLERS, SCOPES, TELEMETRY, check_range  # noqa: F401 (CONTROLLERS, ...: their old home)
+from ._plain import check_range
 from .controllers import BandGate, PaperGate
 from .settings import ALGO_SCHEMA, ALGO_SETTINGS
 
 # The token rules of the entropy baselines, computed once per step over the whole batch (token_rules.py, the
-# registry: none, clip-cov, kl-cov, 80-20); AlgoConfig.rule is the one a config names.
-from .token_rules import RULES, TOKEN_RULES, TokenRule, get_token_rule  # noqa: F401 (TOKEN_RULES: its old home)
+# registry: none, clip-cov, kl-cov, 80-20 and any registered with register_token_rule); AlgoConfig.rule is the one a
+# config names.
+from .token_rules import RULES, TokenRule, get_token_rule
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,26 @@ everything that depends on the rule asks the object, never the name:
 - ``apply(...)``: the step's numbers -> ``(weights, penalty)``, once over the whole step's batch: a 0/1 mask or
   80-20's N / S weights as ``weights``, KL-Cov's coefficients as ``penalty`` (the pure functions of baselines.py).
 
-A new rule is one subclass here and one entry in ``RULES`` (its maths in baselines.py); its name is then a valid
-``token_rule`` and both engines run it. Settings of its own are AlgoConfig fields, each with its row in
-``settings.py``, like any other setting.
+A new rule is a subclass decorated with ``@register_token_rule`` (here, its maths in baselines.py, or in a module of
+your own); its name is then a valid ``token_rule`` and both engines run it. A rule outside this package reads the
+existing settings only (settings of its own are AlgoConfig fields, each with its row in ``settings.py``). Its module
+must be imported in every process that trains: ``STARE_TOKEN_RULE_MODULES=pkg.mod[,pkg2.mod2]`` names modules that
+``get_token_rule`` and ``TOKEN_RULES`` import on first need (``stare train`` forwards the variable to OpenRLHF's Ray
+workers); a script that imports its module before training needs no variable (docs/architecture.md has a worked
+example).
 
 No torch at import: the registry's validation and ``stare algos`` read these objects; ``apply`` imports
 baselines.py (torch) when it first runs.
 """
 from __future__ import annotations
 
+import importlib
+import os
+from collections.abc import Sequence
+
 from ._plain import check_range
+
+MODULES_ENV = "STARE_TOKEN_RULE_MODULES"  # comma-separated modules that register token rules, imported on first need
 
 
 class TokenRule:
@@ -105,13 +115,78 @@ class TopEntropy(TokenRule):
                                    denominator=cfg.mask_denominator), None
 
 
-# THE registry: name -> rule, in the order the choices are listed.
+# THE registry: name -> rule, in the order the choices are listed (the built-in rules, then registered ones).
 RULES: dict[str, TokenRule] = {rule.name: rule for rule in (TokenRule(), ClipCov(), KLCov(), TopEntropy())}
-TOKEN_RULES = tuple(RULES)
+_imported: set[str] = set()  # the modules of MODULES_ENV imported so far
+
+
+def register_token_rule(cls: type[TokenRule]) -> type[TokenRule]:
+    """Class decorator: register an instance of the TokenRule subclass ``cls`` under ``cls.name``; returns ``cls``.
+
+    Raises ValueError when ``cls`` is not a TokenRule subclass, its name is not a non-empty string, or another rule
+    already has that name (a name means one rule in every process of a run)."""
+    if not (isinstance(cls, type) and issubclass(cls, TokenRule)) or cls is TokenRule:
+        raise ValueError(f"register_token_rule takes a subclass of TokenRule, got {cls!r}")
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"{cls.__qualname__}: a token rule needs a name of its own (a non-empty string without "
+                         f"surrounding spaces), got {name!r}")
+    if name in RULES and type(RULES[name]) is not cls:
+        raise ValueError(f"token rule {name!r} is already registered ({type(RULES[name]).__qualname__}); "
+                         f"choose another name (registered: {', '.join(RULES)})")
+    RULES[name] = cls()
+    return cls
+
+
+def _import_rule_modules() -> None:
+    """Import the modules ``STARE_TOKEN_RULE_MODULES`` names (each once); ImportError naming the module."""
+    for module in filter(None, (m.strip() for m in os.environ.get(MODULES_ENV, "").split(","))):
+        if module in _imported:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ImportError(f"{MODULES_ENV}: cannot import token-rule module {module!r} ({exc}); it must be "
+                              "importable in every process of the run (installed, or on PYTHONPATH)") from exc
+        _imported.add(module)
+
+
+class _RuleNames(Sequence):
+    """The registered rules' names, read live (so a rule registered later is a valid ``token_rule``); compares
+    equal to the tuple of the same names."""
+
+    def _names(self) -> tuple[str, ...]:
+        _import_rule_modules()
+        return tuple(RULES)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, (tuple, list, _RuleNames)) else other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+TOKEN_RULES: Sequence[str] = _RuleNames()
 
 
 def get_token_rule(name: str) -> TokenRule:
     """The rule registered as ``name``; ValueError listing the valid names otherwise."""
+    if isinstance(name, str) and name not in RULES:
+        _import_rule_modules()
     if not isinstance(name, str) or name not in RULES:
         raise ValueError(f"unknown token_rule {name!r}; valid choices: {', '.join(TOKEN_RULES)}")
     return RULES[name]

@@ -18,7 +18,7 @@ from .errors import CliError
 def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
     """The launch plan (``launch.plan``): the exact OpenRLHF command, the STARE settings, the Ray setup."""
     from .openrlhf_backend import launch as orl
-    from .openrlhf_backend.argv import SettingsError
+    from .gpu_schema import SettingsError
 
     try:
         return orl.plan(resolved, out, ray_address)

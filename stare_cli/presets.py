@@ -212,7 +212,8 @@ def parse_preset_data(data: dict, *, source: str, expected_name: str | None = No
         except LocalSettingsError as exc:
             raise PresetError(str(exc)) from None
     if data["backend"] == "openrlhf":  # GPU presets: every setting typed and checked, defaults filled in
-        from .openrlhf_backend.argv import SettingsError, check_settings
+        from .gpu_schema import SettingsError
+        from .openrlhf_backend.argv import check_settings
 
         try:
             settings = check_settings(settings, source)

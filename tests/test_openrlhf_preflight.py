@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from stare.algorithms import ALGORITHMS
 from stare.cli.main import app
 from stare.cli.openrlhf_backend import launch as orl
-from stare.cli.openrlhf_backend.argv import SettingsError, check_settings
+from stare.cli.gpu_schema import SettingsError
+from stare.cli.openrlhf_backend.argv import check_settings
 from stare.cli.presets import load_preset, preset_names, resolve
 
 pytest.importorskip("openrlhf")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from stare.algorithms import AlgoConfig
 
-from ..gpu_schema import SettingsError, check_values  # the GPU presets' settings table (SettingsError: its old home)
+from ..gpu_schema import SettingsError, check_values  # the GPU presets' settings table
 
 SETTINGS_ENV = "STARE_SETTINGS"
 DASHBOARD_ENV = "STARE_RAY_DASHBOARD"  # 1: the local Ray head starts its dashboard (the ray_dashboard setting)
