@@ -191,7 +191,7 @@ def trained(run_dir: Path) -> bool:
 def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], evals: EvalOptions,
                      ray_address: str | None, resume: bool, parallel: int) -> ClusterPlan:
     """Every step of the run with its state, after every check (``CliError``, one line, nothing written)."""
-    from . import openrlhf_train
+    from .openrlhf_backend import train as openrlhf_train
     from .openrlhf_backend import launch as orl
     from .rundir import RunDirError, check_run_dir, check_run_set_dir
 

@@ -1,7 +1,7 @@
 """The ``stare`` command line. Thin: each command parses and validates its flags, calls the module that does the
 work and prints the result.
 
-- ``train``: ``stare.cli.local.runner.train_arm`` (local presets) or ``stare.cli.openrlhf_train`` (GPU presets);
+- ``train``: ``stare.cli.local.runner.train_arm`` (local presets) or ``stare.cli.openrlhf_backend.train`` (GPU presets);
 - ``run``: ``stare.cli.run_set`` (the arms and seeds) and ``stare.cli.local.runner.run_set``;
 - ``eval``: ``stare.cli.eval_plan`` (every check, then the harness);
 - ``compare``: ``stare.cli.compare``.
@@ -176,7 +176,7 @@ def train(
     run_dir = out or Path("runs") / f"{resolved['preset']}-{algo}"
     errors.check_out_dir(run_dir)
     if resolved["backend"] == "openrlhf":
-        from . import openrlhf_train
+        from .openrlhf_backend import train as openrlhf_train
 
         launch_plan = openrlhf_train.plan(resolved, run_dir, ray_address)
         if dry_run:
@@ -293,7 +293,7 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
     """``stare run`` on a GPU preset (``stare.cli.cluster_run``): plan, then train, evaluate and compare."""
     from . import cluster_run as cr
     from .folder_lock import check_free, hold
-    from .openrlhf_train import check_training_stack
+    from .openrlhf_backend.train import check_training_stack
 
     if ray_address is not None and not ray_address.strip():
         fail("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start a Ray head "

@@ -187,7 +187,7 @@ def test_openrlhf_install_hint_keeps_the_extra(tmp_path, monkeypatch):
     res = invoke("train", "--preset", "qwen-7b-short-cot", "--out", str(tmp_path / "o"))
     assert res.exit_code == 2, res.output  # a refusal like any other
     lines = [x for x in res.stderr.splitlines() if x.strip()]
-    from stare.cli.openrlhf_train import install_hint  # its cases: the test below
+    from stare.cli.openrlhf_backend.train import install_hint  # its cases: the test below
 
     assert len(lines) == 1 and lines[0].endswith(install_hint()) and "[openrlhf]'" in lines[0], res.stderr
     assert "without a GPU only `stare train --dry-run` and `stare run --dry-run` work" in lines[0]
@@ -197,7 +197,7 @@ def test_openrlhf_install_hint_keeps_the_extra(tmp_path, monkeypatch):
 def test_openrlhf_install_hint_fits_where_stare_came_from(tmp_path, monkeypatch):
     from importlib import metadata
 
-    from stare.cli.openrlhf_train import install_hint
+    from stare.cli.openrlhf_backend.train import install_hint
 
     assert install_hint({"STARE_IMAGE": "1"}).startswith("this Docker image should hold it: rebuild it")
     clone = tmp_path / "clone"

@@ -612,7 +612,7 @@ def test_the_gpu_preset_setting_decides_the_training_sandboxs_isolation(monkeypa
     """`sandbox_isolation` (a GPU preset setting, namespaces by default) reaches the rollout workers as
     STARE_SANDBOX_ISOLATION, and `stare train` checks that isolation on this node before Ray starts, whatever the
     driver's shell says (Ray's runtime_env overrides it in the workers)."""
-    from stare.cli import openrlhf_train
+    from stare.cli.openrlhf_backend import train as openrlhf_train
     from stare.cli.agent.sandbox import ISOLATION_MODES
     from stare.cli.gpu_schema import ISOLATION_MODES as SCHEMA_MODES
     from stare.cli.openrlhf_backend import launch as orl

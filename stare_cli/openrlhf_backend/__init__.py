@@ -24,7 +24,7 @@ class OpenRLHFVersionError(RuntimeError):
 
 
 class OpenRLHFMissing(OpenRLHFVersionError):
-    """No OpenRLHF at all (``stare.cli.openrlhf_train.install_hint`` says how to get it)."""
+    """No OpenRLHF at all (``stare.cli.openrlhf_backend.train.install_hint`` says how to get it)."""
 
 
 def check_openrlhf_version(found: str | None = None) -> str:

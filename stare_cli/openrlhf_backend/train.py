@@ -11,14 +11,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from . import errors
-from .errors import CliError
+from .. import errors
+from ..errors import CliError
 
 
 def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
     """The launch plan (``launch.plan``): the exact OpenRLHF command, the STARE settings, the Ray setup."""
-    from .openrlhf_backend import launch as orl
-    from .gpu_schema import SettingsError
+    from . import launch as orl
+    from ..gpu_schema import SettingsError
 
     try:
         return orl.plan(resolved, out, ray_address)
@@ -29,10 +29,10 @@ def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
 def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_address: str | None,
           console: Console) -> None:
     """Check, make the run folder, start OpenRLHF (returns when training ends)."""
-    from . import stopping
-    from .folder_lock import check_free, hold
-    from .openrlhf_backend import launch as orl
-    from .rundir import RunDirError, check_run_dir, prepare_run_dir
+    from .. import stopping
+    from ..folder_lock import check_free, hold
+    from . import launch as orl
+    from ..rundir import RunDirError, check_run_dir, prepare_run_dir
 
     check_free(out)  # another process writing there: refused before anything of it is read
     try:
@@ -49,7 +49,7 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> "
                       f"{escape(str(out))}")
         if resume:
-            from .openrlhf_backend.checkpoint import describe_resume
+            from .checkpoint import describe_resume
 
             errors.plain(console)(describe_resume(out / "ckpt"))
         try:
@@ -65,10 +65,10 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
 def check_training_stack() -> None:
     """OpenRLHF (at its pinned version) and what it needs import here; ``CliError`` (exit 2) otherwise, with the
     install command for where this stare came from (``install_hint``)."""
-    from .openrlhf_backend import OpenRLHFMissing, OpenRLHFVersionError
+    from . import OpenRLHFMissing, OpenRLHFVersionError
 
     try:
-        from .openrlhf_backend import plugin  # noqa: F401 - imports OpenRLHF and checks its version
+        from . import plugin  # noqa: F401 - imports OpenRLHF and checks its version
     except ImportError as exc:
         raise CliError(f"the GPU training stack is not installed ({exc}); {install_hint()}") from None
     except OpenRLHFMissing as exc:
@@ -112,8 +112,8 @@ def _check_tool_sandbox(worker_env: dict[str, str]) -> None:
     the preset's ``sandbox_isolation``), but before Ray and the GPUs start."""
     import os
 
-    from .agent.loop import ToolConfig
-    from .eval_plan import check_tool_isolation
+    from ..agent.loop import ToolConfig
+    from ..eval_plan import check_tool_isolation
 
     try:
         config = ToolConfig.from_env({**os.environ, **worker_env})  # Ray's runtime_env overrides the shell's
