@@ -46,6 +46,7 @@ from stare.algorithms import get_algorithm  # noqa: E402
 from stare.cli.openrlhf_backend import plugin, reward  # noqa: E402
 from stare.cli.openrlhf_backend.argv import SETTINGS_ENV  # noqa: E402
 from stare.cli.openrlhf_backend.step import StareStep  # noqa: E402
+from test_openrlhf_plugin import _Sched, _Strategy  # noqa: E402 - OpenRLHF's strategy and scheduler, as little as it needs
 
 MAX_NEW = 12  # the length limit: the cut response has exactly this many tokens and no EOS
 # (problem, label, [(response text, ends with EOS, expected reward)]): 2 right and 2 wrong per group
@@ -178,7 +179,7 @@ def test_one_stare_phi_step_on_smollm2_with_openrlhfs_rollout_and_trainer(checkp
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     actor = Actor(model)
     actor.packing_samples = False
-    strategy = _Strategy(openrlhf_standins.openrlhf_args(), gas=len(sent) // 4)
+    strategy = _Strategy(openrlhf_standins.openrlhf_args(), gas=len(sent) // 4)  # its optimizer never steps
     trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, torch.optim.SGD(actor.parameters(), lr=0.0),
                                         _Sched(), micro_train_batch_size=4, buffer_cpu_offload=False,
                                         dataloader_pin_memory=False)
@@ -234,35 +235,3 @@ def test_one_stare_phi_step_on_smollm2_with_openrlhfs_rollout_and_trainer(checkp
     assert torch.isfinite(torch.as_tensor(status["policy_loss"])).all()
     assert torch.isfinite(grads).all() and grads.abs().max() > 0
 
-
-class _Strategy:
-    """What ActorPPOTrainer needs of DeepSpeedStrategy: backward divides by the accumulation steps; the optimizer
-    never steps (lr 0 besides), so the model the checks read is the one that produced the samples."""
-
-    ring_attn_group = None
-
-    def __init__(self, args, gas=1):
-        self.args, self.accumulated_gradient = args, gas
-
-    def backward(self, loss, model, optimizer):
-        (loss / self.accumulated_gradient).backward()
-
-    def optimizer_step(self, *a, **k):
-        pass
-
-    def get_grad_norm(self, model):
-        return 0.0
-
-    def all_reduce(self, data, op="mean"):
-        return data
-
-    def is_rank_0(self):
-        return True
-
-    def print(self, *a):
-        pass
-
-
-class _Sched:
-    def get_last_lr(self):
-        return [0.0]
