@@ -107,6 +107,31 @@ class AlgoConfig:
         return {"top_ratio": self.top_ratio, "variant": self.variant, "selection": self.selection,
                 "phi_cap": self.phi_cap, "phi_tol": self.phi_tol}
 
+    def unused_settings(self) -> dict[str, str]:
+        """The STARE settings these settings make inert, each with why: every one of them for a baseline (but those
+        its token rule reads), the other controller's (damp is the band gate's: the paper gate never damps), the
+        adaptive gate's without ``adaptive``, M under O1, the Phi selection's under the quantile one. Changing one
+        changes no weight and no logged number but its own echo (``stare/m``) (a test runs ``stare_step`` both ways); ``stare run --sweep``
+        refuses to sweep one. A setting not listed may still be inert in some states (W while the gate is
+        closed): this lists what the settings alone decide."""
+        if not self.stare:  # but what its token rule reads (80-20's top_ratio)
+            why = f"only STARE algorithms use it (stare is off for {self.name})"
+            return {name: why for name in _STARE_SETTINGS if name not in self.rule.settings}
+        out = {}
+        if self.controller == "paper":
+            out.update({name: "only the band controller uses it (controller is paper)" for name in _BAND_SETTINGS})
+            if not self.adaptive:
+                out.update({name: "only the adaptive paper gate uses it (adaptive is false)"
+                            for name in ("alpha", "w_max", "m_min")})
+        else:
+            out.update({name: "only the paper gate uses it (controller is band)" for name in _PAPER_SETTINGS})
+        if self.variant == "O1":
+            out["m"] = "only variant C2 lowers A<0 tokens (variant is O1)"
+        if self.selection == "quantile":
+            out.update({name: "only the phi selection uses it (selection is quantile)"
+                        for name in ("phi_cap", "phi_tol")})
+        return out
+
     @property
     def needs_phi(self) -> bool:
         return self.stare and (self.selection == "phi" or self.damp != 1.0)
@@ -132,6 +157,10 @@ class AlgoConfig:
 
 
 SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
+# what AlgoConfig.unused_settings names: the "# STARE" block of AlgoConfig (all of it for a baseline), each gate's own
+_STARE_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.index("telemetry")]
+_PAPER_SETTINGS = ("target_entropy", "adaptive", "alpha", "w_max", "m_min")
+_BAND_SETTINGS = ("band_low", "band_high", "band_target", "gain", "two_sided", "damp")
 
 _DAPO_BASE = dict(clip_low=0.2, clip_high=0.28, dual_clip=10.0, agg="token-mean", dynamic_sampling=True)
 # Clip-Cov / KL-Cov as the entropy paper's scripts (verl recipe/entropy, 7B): GRPO advantages, token-mean, group

@@ -382,3 +382,49 @@ def test_two_ranks_are_exact_over_the_union(tmp_path):
         for p in parts:  # both ranks log the same numbers, exact over all 8 sequences
             _check(p["metrics"], hand)
         assert parts[0]["metrics"] == parts[1]["metrics"]
+
+
+# ---- the settings an algorithm's settings make inert (AlgoConfig.unused_settings; stare run --sweep refuses them) --
+# a valid value other than every algorithm's own for each setting unused_settings may name
+_OTHER_VALUE = {"selection": "phi", "variant": "C2", "top_ratio": 0.3, "w": 1.7, "m": 0.6, "damp": 0.5, "phi_cap": 0.5,
+                "phi_tol": 0.05, "scope": "micro_batch", "controller": "band", "target_entropy": 0.9, "adaptive": True,
+                "alpha": 0.05, "w_max": 2.5, "m_min": 0.3, "band_low": 0.2, "band_high": 2.0, "band_target": 0.4,
+                "gain": 2.0, "two_sided": True}
+# the gates held open on _batch (entropy about 0.75), so the weights are there to differ
+_OPEN = {"stare": {"target_entropy": 5.0}, "stare-c2": {"target_entropy": 5.0},
+         "stare-phi": {"band_low": 0.5, "band_high": 1.2}}
+
+
+def _three_steps(cfg, logp, adv, mask, stats):
+    controller, memory, out = cfg.make_controller(), None, []
+    for _ in range(3):  # the adaptive gate's W and M move from step to step
+        r = stare_step(controller, cfg, logp, adv, mask, stats, memory=memory, generator=torch.Generator().manual_seed(1))
+        memory = r.memory
+        out.append((r.weights, r.penalty, r.metrics))
+    return out
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20"])
+def test_an_unused_setting_changes_no_weight_and_no_number(algo):
+    from stare.algorithms import ALGORITHMS
+
+    base = get_algorithm(algo, **_OPEN.get(algo, {}))
+    unused = base.unused_settings()
+    assert unused and set(unused) <= set(_OTHER_VALUE)
+    logp, adv, mask, stats = _batch(per_token=True)
+    reference = _three_steps(base, logp, adv, mask, stats)
+    if base.stare:
+        assert reference[0][0] is not None  # the gate is open: there are weights to change
+    for name in unused:
+        assert getattr(base, name) != _OTHER_VALUE[name], name
+        changed = _three_steps(get_algorithm(algo, **_OPEN.get(algo, {}), **{name: _OTHER_VALUE[name]}),
+                               logp, adv, mask, stats)
+        for (w0, p0, m0), (w1, p1, m1) in zip(reference, changed):
+            assert (w0 is None) == (w1 is None) and (w0 is None or torch.equal(w0, w1)), name
+            assert (p0 is None) == (p1 is None) and (p0 is None or torch.equal(p0, p1)), name
+            echo = f"stare/{name}"  # the controller's state logs M as it stands, used or not
+            assert {k: v for k, v in m0.items() if k != echo} == {k: v for k, v in m1.items() if k != echo}, name
+    # and W, which every STARE algorithm uses, changes its weights (the comparison above can fail)
+    if base.stare:
+        changed = _three_steps(get_algorithm(algo, **_OPEN[algo], w=_OTHER_VALUE["w"]), logp, adv, mask, stats)
+        assert not torch.equal(reference[0][0], changed[0][0])
