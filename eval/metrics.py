@@ -148,6 +148,75 @@ def permutation_test(a: list[float], b: list[float]) -> float:
     return (hits + 1) / (EXACT_LIMIT + 1)
 
 
+def mid_ranks(values: list[float]) -> list[float]:
+    """Ranks 1..n, tied values sharing the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            ranks[order[t]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman_trend(x: list[float], y: list[float]) -> dict | None:
+    """Spearman's rho of ``y`` against ``x`` (Pearson's r of their mid-ranks) and its two-sided permutation p-value:
+    the share of the ways of handing the ``y`` values to the runs (runs of one ``x`` are interchangeable, so each
+    way is a split of the ``y`` values into groups of the ``x`` values' sizes) whose |rho| is at least the observed
+    one. Every split is enumerated when there are at most ``EXACT_LIMIT``; beyond that ``EXACT_LIMIT`` random
+    permutations (fixed seed) give (hits + 1) / (EXACT_LIMIT + 1). Returns {"rho", "p", "n", "exact"}, or None when
+    either side has a single value (no order to test) or there are under three pairs."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    if len(x) != len(y):
+        raise ValueError(f"spearman_trend needs pairs: {len(x)} x values and {len(y)} y values")
+    n = len(x)
+    if n < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    rx, ry = mid_ranks([float(v) for v in x]), mid_ranks([float(v) for v in y])
+    cx = [r - (n + 1) / 2 for r in rx]  # mid-ranks average (n + 1) / 2 however they tie
+    cy = [r - (n + 1) / 2 for r in ry]
+    norm = math.sqrt(sum(c * c for c in cx) * sum(c * c for c in cy))
+    observed = sum(a * b for a, b in zip(cx, cy))
+    tol = 1e-9 * norm
+    groups: dict[float, int] = {}
+    for r in cx:
+        groups[r] = groups.get(r, 0) + 1
+    levels, sizes = list(groups), list(groups.values())
+    total = math.factorial(n) // math.prod(math.factorial(g) for g in sizes)
+    if total <= EXACT_LIMIT:
+        def splits(remaining: tuple[int, ...], k: int):
+            if k == len(sizes) - 1:  # the last group takes what is left
+                yield levels[k] * sum(cy[i] for i in remaining)
+                return
+            for chosen in itertools.combinations(remaining, sizes[k]):
+                part = levels[k] * sum(cy[i] for i in chosen)
+                rest = tuple(i for i in remaining if i not in chosen)
+                for tail in splits(rest, k + 1):
+                    yield part + tail
+
+        hits = sum(abs(t) >= abs(observed) - tol for t in splits(tuple(range(n)), 0))
+        p, exact = hits / total, True
+    else:
+        rng = np.random.default_rng(0)
+        arr, weights = np.asarray(cy), np.asarray(cx)
+        hits = done = 0
+        while done < EXACT_LIMIT:
+            chunk = min(10_000, EXACT_LIMIT - done)
+            t = rng.permuted(np.tile(arr, (chunk, 1)), axis=1) @ weights
+            hits += int((np.abs(t) >= abs(observed) - tol).sum())
+            done += chunk
+        p, exact = (hits + 1) / (EXACT_LIMIT + 1), False
+    return {"rho": observed / norm, "p": p, "n": n, "exact": exact}
+
+
 # Reflection words and phrases, matched as whole words, case-insensitively; "-" also matches a space or nothing
 # ("double-check", "double check", "doublecheck"). Longer phrases are tried first and matches do not overlap, so
 # "let me check" counts once.

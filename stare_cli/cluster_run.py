@@ -221,8 +221,8 @@ def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], ev
             except RunDirError as exc:
                 raise CliError(str(exc)) from None
             state = KEPT if trained(run_dir) else RESUME if existing else NEW
-            command = ["train", "--preset", preset, "--algo", arm, "--out", str(run_dir)]
-            for s in [*sets, f"seed={seed}"]:
+            command = ["train", "--preset", preset, "--algo", arm_set.algo(arm), "--out", str(run_dir)]
+            for s in [*sets, *arm_set.swept(arm), f"seed={seed}"]:
                 command += ["--set", s]
             command += (["--resume"] if state == RESUME else []) + (["--ray-address", ray_address] if ray_address
                                                                     else [])

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from stare.cli.dose_response import plot as plot_dose_response
 from stare.cli.plots import CURVES, plot_accuracy, plot_curves
 from stare.cli.runs import load_run, read_checkpoint_curves, read_evals, read_summary
 from stare.cli.tables import write_comparison
@@ -92,4 +93,5 @@ def compare(paths: list[Path], out: Path, baseline: str | None = None, notes: li
     if runs:
         plot_curves(out, runs, CURVES + (REFLECTION_CURVE,))
         plot_accuracy(out, runs)  # accuracy.png, when a run has an accuracy-over-training curve
+        plot_dose_response(out, summary["dose_response"])  # dose_response.png, for the arms of a --sweep
     return summary["arms"] + summary["evals"]

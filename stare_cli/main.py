@@ -217,6 +217,11 @@ def run(
     algos: Optional[str] = typer.Option(None, "--algos", help="Comma-separated arms (default: the preset's list)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", min=1, help="Seeds per arm (default: the preset's)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a setting for every arm. Repeatable."),
+    sweep: Optional[List[str]] = typer.Option(
+        None, "--sweep", metavar="KEY=V1,V2,...", help="Train every arm once per value of a setting, as arm "
+        "<algo>[KEY=V] in DIR/<algo>[KEY=V]/ (e.g. --sweep w=1.1,2,4); several --sweep give every combination. "
+        "The comparison adds a dose-response table (per value: mean and 95% interval over seeds; a Spearman trend "
+        "test over seeds x values) and dose_response.png."),
     parallel: Optional[int] = typer.Option(
         None, "--parallel", min=1, help="Arms at a time. Local presets: worker processes, one CPU thread each "
         "(default 2). GPU presets: arms' OpenRLHF jobs at once on the --ray-address cluster, checked against its "
@@ -254,7 +259,7 @@ def run(
     from .run_set import resolve_run_set
 
     try:
-        arm_set = resolve_run_set(preset, set_ or [], algos=algos, seeds=seeds)
+        arm_set = resolve_run_set(preset, set_ or [], algos=algos, seeds=seeds, sweeps=sweep)
     except PresetError as exc:
         fail(str(exc))
     out = out or Path("runs") / arm_set.preset

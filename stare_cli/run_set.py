@@ -1,25 +1,36 @@
 """What ``stare run`` trains: the arms and the seeds per arm of a preset (local or GPU), each arm's settings resolved.
 
-The arms are ``--algos`` when given, else the preset's ``algos`` setting; the seeds ``--seeds``, else the ``seeds``
+The arms are ``--algos`` when given, else the preset's ``algos`` setting, each once per combination of the
+``--sweep`` values (``stare.cli.sweep``: arms named ``<algo>[KEY=V]``); the seeds ``--seeds``, else the ``seeds``
 setting. Both settings take ``--set`` like any other and are checked by ``stare.cli.presets.resolve`` (the
 schema's words, as ``stare train --set`` reports them). No torch import here: a bad flag fails in a moment.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stare.algorithms import ALGORITHMS
 
 from .presets import PresetError, load_preset, resolve
+from .sweep import expand, parse_label, parse_sweeps
 
 
 @dataclass
 class RunSet:
     preset: str
-    arms: list[str]
+    arms: list[str]  # the arms' names (and folders): the algorithm, or algo[KEY=V,...] in a sweep
     seeds: int
     resolved: dict[str, dict]  # arm -> its resolved settings (presets.resolve)
     backend: str = "local"  # local | openrlhf (the preset's)
+    sweeps: dict[str, list[str]] = field(default_factory=dict)  # --sweep: key -> the values as typed
+
+    def algo(self, arm: str) -> str:
+        return self.resolved[arm]["algo"]["name"]
+
+    def swept(self, arm: str) -> list[str]:
+        """The ``--set KEY=V`` items that make ``arm`` what it is in the sweep (none without one)."""
+        parsed = parse_label(arm) if self.sweeps else None
+        return [f"{k}={v}" for k, v in parsed[1].items()] if parsed else []
 
     @property
     def settings(self) -> dict:
@@ -43,14 +54,20 @@ def parse_arms(text: str, flag: str = "--algos") -> list[str]:
     return arms
 
 
-def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, seeds: int | None = None) -> RunSet:
-    """The arms (``algos``, a comma-separated ``--algos``, else the ``algos`` setting), the seeds per arm (``seeds``,
-    else the ``seeds`` setting) and each arm's resolved settings, ``--set`` applied. ``PresetError`` for any bad
-    flag or setting."""
+def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, seeds: int | None = None,
+                    sweeps: list[str] | None = None) -> RunSet:
+    """The arms (``algos``, a comma-separated ``--algos``, else the ``algos`` setting; each once per combination of
+    the ``sweeps``, ``--sweep KEY=V1,V2,...`` items), the seeds per arm (``seeds``, else the ``seeds`` setting) and
+    each arm's resolved settings, ``--set`` applied. ``PresetError`` for any bad flag or setting."""
     p = load_preset(preset)
+    swept = parse_sweeps(sweeps or [])
     arms = parse_arms(algos) if algos is not None else None  # given, even empty: what was given is what is checked
     # the preset's first arm stands in until the arms are known: the algos and seeds settings do not depend on it
     first = resolve(preset, arms[0] if arms else parse_arms(p.settings["algos"], "algos")[0], sets)
     arms = arms or parse_arms(first["settings"]["algos"], "--set algos")
-    resolved = {a: first if a == first["algo"]["name"] else resolve(preset, a, sets) for a in arms}
-    return RunSet(p.name, arms, seeds or first["settings"]["seeds"], resolved, p.backend)  # a file preset: its name
+    if swept:
+        resolved = expand(preset, arms, sets, swept)
+    else:
+        resolved = {a: first if a == first["algo"]["name"] else resolve(preset, a, sets) for a in arms}
+    return RunSet(p.name, list(resolved), seeds or first["settings"]["seeds"], resolved, p.backend,
+                  swept)  # a file preset: its name

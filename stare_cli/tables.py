@@ -33,8 +33,10 @@ from pathlib import Path
 from stare.algorithms import ALGORITHMS
 from stare.eval.metrics import compared, permutation_test
 
+from . import dose_response
 from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, Run, aggregate, common_k, held_out, ordered_benches, run_band,
                    summarise_arm, summarise_benches)
+from .sweep import arm_sweep as arm_sweep_of
 
 
 def _arm_key(run: Run) -> str:
@@ -66,12 +68,28 @@ def group_arms(runs: list[Run]) -> list[list[Run]]:
         else:
             home.append(r)
     flat = [g for groups in arms.values() for g in groups]
-    return sorted(flat, key=lambda group: algo_rank(group[0].algo))  # sorted() is stable
+    return sorted(flat, key=_arm_order)  # sorted() is stable
+
+
+def _arm_order(group: list[Run]) -> tuple:
+    """The registry's algorithm order; an algorithm's arms of a sweep after its others, by their swept values
+    (numbers by value, anything else by its text), so stare run and stare compare list them alike."""
+    swept = arm_sweep(group)
+    values = tuple((0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, str(v))
+                   for v in (swept[1].values() if swept else ()))
+    return algo_rank(group[0].algo), swept is not None, values
+
+
+def arm_sweep(group: list[Run]) -> tuple[str, dict] | None:
+    """(``algo[KEY=V,...]``, {KEY: value}) of an arm of a ``stare run --sweep`` (``stare.cli.sweep.arm_sweep``: its
+    folder's name, checked against the config), else None."""
+    return arm_sweep_of(group[0].path, group[0].config, group[0].algo)
 
 
 def arm_labels(arms: list[list[Run]]) -> list[str]:
-    """One label per arm: the algorithm's name, with the arm's folder added when two arms share a name."""
-    names = [group[0].algo or "openrlhf" for group in arms]
+    """One label per arm: the algorithm's name (``algo[KEY=V]`` for an arm of a sweep), with the arm's folder
+    added when two arms share a name."""
+    names = [(arm_sweep(group) or (group[0].algo or "openrlhf",))[0] for group in arms]
     labels = []
     for name, group in zip(names, arms):
         if names.count(name) == 1:
@@ -277,8 +295,10 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     k = common_k(runs)
     groups = group_arms(runs)
     arms = [summarise_arm(group) for group in groups]
-    for arm, label in zip(arms, arm_labels(groups)):
+    for arm, label, group in zip(arms, arm_labels(groups), groups):
         arm["label"] = label
+        swept = arm_sweep(group)
+        arm["sweep"] = swept[1] if swept else None  # {key: value} of an arm of stare run --sweep
     by_model: dict[str, list[dict]] = {}
     for s in evals:  # evaluations of one model, one bench each
         by_model.setdefault(str(s.get("model")), []).append(s)
@@ -341,6 +361,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         "notes": notes,
     }
     summary["seed_tests"] = seed_tests(arms, base)
+    summary["dose_response"] = dose_response.build(arms, groups)
 
     # columns: (measure, md header, csv name, signed, shown in the markdown)
     # labels name k: the evaluated one, else the configs' eval_k (an arm without eval.json has blank cells anyway)
@@ -414,6 +435,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
                "its eval/ pass1 logs). The curves: accuracy.png."]
     md += ([""] + [f"- {n}" for n in notes]) if notes else []
     md += _seed_md(summary["seed_tests"], baseline, kk)
+    md += dose_response.markdown(summary["dose_response"], kk)
     md += _telemetry_md(arms)
     (out_dir / "comparison.md").write_text("\n".join(md) + "\n")
 

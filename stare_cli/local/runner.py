@@ -107,6 +107,7 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
     """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
     ``out`` (``run_arms``), then ``comparison.md``/``.csv``/``.json`` and the plots; returns the plot files."""
     from ..errors import check_out_dir
+    from ..dose_response import plot as plot_dose_response
     from ..plots import plot_accuracy, plot_curves
     from ..runs import load_run
     from ..tables import write_comparison
@@ -122,7 +123,8 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
     check_model(first, prepare=True)
     with hold(out):  # the arms' folders are inside: one lock for all
         mark_run_set(out, arm_set.preset, arm_set.arms, arm_set.seeds)
-        console.print(f"[bold]stare run[/] {arm_set.preset}: {', '.join(arm_set.arms)} x {arm_set.seeds} seed(s) -> "
+        arms = escape(", ".join(arm_set.arms))  # a swept arm's name, stare[w=2], is not rich markup
+        console.print(f"[bold]stare run[/] {escape(arm_set.preset)}: {arms} x {arm_set.seeds} seed(s) -> "
                       f"{escape(str(out))}")
         try:
             dirs = run_arms(arm_set.resolved, out, seeds=arm_set.seeds, resume=resume, parallel=parallel,
@@ -130,9 +132,10 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
         except RunDirError as exc:
             raise CliError(str(exc)) from None
         runs = [load_run(d) for d in dirs]
-        write_comparison(out, runs)
+        summary = write_comparison(out, runs)
         accuracy = plot_accuracy(out, runs)  # only with eval_every (or checkpoint sweeps) on
-        return plot_curves(out, runs) + ([accuracy] if accuracy else [])
+        dose = plot_dose_response(out, summary["dose_response"])  # only with --sweep
+        return plot_curves(out, runs) + [p for p in (accuracy, dose) if p]
 
 
 def _warmstart_job(resolved: dict, folder: str) -> str:
@@ -175,7 +178,7 @@ def _train_arms(plan: list, pool: ProcessPoolExecutor, futures: dict, progress: 
     for algo, seed, resolved, run_dir, done in plan:
         name = algo if seeds == 1 else f"{algo} seed{seed}"
         steps = resolved["settings"]["steps"]
-        tasks[run_dir] = progress.add_task(name, total=steps, completed=steps if done else 0,
+        tasks[run_dir] = progress.add_task(escape(name), total=steps, completed=steps if done else 0,
                                            status="done (kept)" if done else "queued")
         if not done:
             futures[run_dir] = stopping.submit(pool, _arm_job, resolved, str(run_dir), str(ws_dirs[seed]),
