@@ -93,5 +93,5 @@ def compare(paths: list[Path], out: Path, baseline: str | None = None, notes: li
     if runs:
         plot_curves(out, runs, CURVES + (REFLECTION_CURVE,))
         plot_accuracy(out, runs)  # accuracy.png, when a run has an accuracy-over-training curve
-        plot_dose_response(out, summary["dose_response"])  # dose_response.png, for the arms of a --sweep
+        plot_dose_response(out, summary["dose_response"], summary["arms"])  # dose_response.png, for the arms of a --sweep
     return summary["arms"] + summary["evals"]

@@ -120,12 +120,24 @@ def markdown(series: list[dict], kk: str) -> list[str]:
     return md
 
 
-def plot(out_dir: Path, series: list[dict]) -> Path | None:
+def _reference(arm: dict, m: str) -> float | None:
+    """An arm's mean of a dose-response measure (from tables.summarise_arm's summary)."""
+    if m.endswith("_avg_at_k"):
+        cell = (arm.get("benches") or {}).get(m[:-len("_avg_at_k")])
+        return cell["avg_at_k"]["mean"] if cell else None
+    return (arm.get("metrics") or {}).get(m, {}).get("mean")
+
+
+def plot(out_dir: Path, series: list[dict], arms: list[dict] = ()) -> Path | None:
     """``dose_response.png``: late entropy, band share and avg@k (the held-out one, else the first benchmark's)
-    against the swept value, one line per series with its 95% intervals; None when there is no series."""
+    against the swept value, one line per series with its 95% intervals, and each arm of ``arms`` outside the
+    sweep (``arm["sweep"]`` empty: dapo, stare-phi beside it) as a dashed level; the value axis is logarithmic when
+    the values are positive and span a factor of 8 or more. None when there is no series."""
     if not series:
         return None
+    others = [a for a in arms if not a.get("sweep")]
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -154,6 +166,16 @@ def plot(out_dir: Path, series: list[dict]) -> Path | None:
                             label=f"{s['algo']}{fixed}")
                 if not _numeric(values):
                     ax.set_xticks(xs, [str(v) for v in values])
+            for i, a in enumerate(others):
+                level = _reference(a, m)
+                if level is not None:
+                    ax.axhline(level, linestyle="--", linewidth=1, color=f"C{(i + 1) % 10}", label=a["label"])
+            values = [r["value"] for s in series if s["key"] == key for r in s["rows"]]
+            if _numeric(values) and min(values) > 0 and max(values) / min(values) >= 8:
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+                ticks = sorted(set(values))
+                ax.set_xticks(ticks, [f"{v:g}" for v in ticks], fontsize=7)
             ax.set_xlabel(key)
             ax.set_ylabel(header)
             ax.set_title(f"{header} against {key} (mean, 95% interval)", fontsize=10)

@@ -146,7 +146,7 @@ def arm_sweep(path: Path, config: dict, algo: str | None) -> tuple[str, dict] | 
     if algo is None:
         return None
     resolved = {"settings": config.get("settings") or {}, "algo": config.get("algo") or {}}
-    for folder in [Path(path), *Path(path).parents][:4]:
+    for folder in [Path(path), *Path(path).parents][:5]:  # an OpenRLHF run: seed<S>/tensorboard/<name>
         parsed = parse_label(folder.name)
         if parsed is None or parsed[0] != algo:
             continue

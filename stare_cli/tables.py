@@ -72,11 +72,11 @@ def group_arms(runs: list[Run]) -> list[list[Run]]:
 
 
 def _arm_order(group: list[Run]) -> tuple:
-    """The registry's algorithm order; an algorithm's arms of a sweep after its others, by their swept values
-    (numbers by value, anything else by its text), so stare run and stare compare list them alike."""
+    """The registry's algorithm order; an algorithm's arms of a sweep after its others, by their swept keys and then
+    values (numbers by value, anything else by its text), so stare run and stare compare list them alike."""
     swept = arm_sweep(group)
-    values = tuple((0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, str(v))
-                   for v in (swept[1].values() if swept else ()))
+    values = tuple(sorted((k, 0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool)
+                          else (k, 1, 0, str(v)) for k, v in (swept[1].items() if swept else ())))
     return algo_rank(group[0].algo), swept is not None, values
 
 

@@ -134,7 +134,7 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
         runs = [load_run(d) for d in dirs]
         summary = write_comparison(out, runs)
         accuracy = plot_accuracy(out, runs)  # only with eval_every (or checkpoint sweeps) on
-        dose = plot_dose_response(out, summary["dose_response"])  # only with --sweep
+        dose = plot_dose_response(out, summary["dose_response"], summary["arms"])  # only with --sweep
         return plot_curves(out, runs) + [p for p in (accuracy, dose) if p]
 
 
