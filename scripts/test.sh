@@ -40,4 +40,5 @@ rm -f "$vllm_log"
 # rest; each module stays on one worker (its module fixtures are built once; tests/conftest.py sets the groups).
 # STARE_TEST_WORKERS=0 runs everything in one process.
 # (-p no:benchmark: lm-eval pulls in pytest-benchmark, which would warn that xdist disables it; no test uses it)
-python3 -m pytest -q -p no:benchmark -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# --durations=30: the slowest tests, printed at the end, so that a CI run that nears its time limit says where to cut
+python3 -m pytest -q -p no:benchmark --durations=30 -n "${STARE_TEST_WORKERS:-2}" --dist loadgroup "$@"
