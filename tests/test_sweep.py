@@ -151,14 +151,14 @@ def test_the_sweep_trains_one_arm_per_value_in_its_own_folders(swept):
 def test_each_swept_run_is_the_run_stare_train_set_makes_by_hand(swept):
     root, out, _ = swept
     hand = root / "hand"
-    for arm, w in [("stare[w=2]", "2")]:  # one value by hand: the other differs in w alone
-        for s in range(2):
-            res = stare("train", "--preset", "tiny-cpu", "--algo", "stare", "--set", f"w={w}", "--set", f"seed={s}",
-                        *SETS, "--out", hand / arm / f"seed{s}")
-            assert res.returncode == 0, res.stderr[-2000:]
-            assert lines(hand / arm / f"seed{s}") == lines(out / arm / f"seed{s}")
-            assert json.loads((hand / arm / f"seed{s}" / "eval.json").read_text()) == \
-                json.loads((out / arm / f"seed{s}" / "eval.json").read_text())
+    arm, w, s = "stare[w=2]", "2", 1  # one run by hand: the others differ from it in w or the seed alone
+    res = stare("train", "--preset", "tiny-cpu", "--algo", "stare", "--set", f"w={w}", "--set", f"seed={s}",
+                *SETS, "--out", hand / arm / f"seed{s}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert lines(hand / arm / f"seed{s}") == lines(out / arm / f"seed{s}")
+    assert json.loads((hand / arm / f"seed{s}" / "eval.json").read_text()) == \
+        json.loads((out / arm / f"seed{s}" / "eval.json").read_text())
+    shutil.copytree(out / arm / "seed0", hand / arm / "seed0")  # the table, from folders assembled by hand
     shutil.copytree(out / "stare[w=1.1]", hand / "stare[w=1.1]")
     res = stare("compare", hand, "--out", root / "cmp")
     assert res.returncode == 0, res.stderr
