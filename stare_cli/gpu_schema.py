@@ -14,15 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from stare.algorithms.settings import REQUIRED, Setting, schema
+from stare.eval.data import BENCHES
 
+from .agent.sandbox import ISOLATION_MODES as SANDBOX_ISOLATION_MODES
 from .local_schema import check_algos
 
 AGENTS = ("", "python")  # "" (single turn) | "python" (the sandboxed Python tool agent)
-# the tool sandbox's isolations (stare.cli.agent.sandbox.ISOLATION_MODES; a test keeps the two equal): the
-# sandbox module is not imported here, so that stare algos stays light
-ISOLATION_MODES = ("auto", "namespaces", "basic")
-EVAL_BENCHES = ("aime24", "aime25", "amc23", "math500")  # stare.eval.data.BENCHES (a test keeps the two equal): not
-# imported, so that stare algos stays light
+# the tool sandbox's isolations and the benchmarks, from their homes (both modules are torch-free)
+ISOLATION_MODES = SANDBOX_ISOLATION_MODES
+EVAL_BENCHES = tuple(BENCHES)
 
 
 class SettingsError(ValueError):

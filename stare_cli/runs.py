@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stare.algorithms import upgrade_metric_names
+from stare.eval.data import BENCHES
 from stare.eval.metrics import compared
 
 from .presets import read_config
@@ -54,7 +55,7 @@ class Run:
     curves: dict = field(default_factory=dict)
 
 
-BENCH_ORDER = ("aime24", "aime25", "amc23", "math500")
+BENCH_ORDER = tuple(BENCHES)  # the order of the comparison's bench columns: the benchmarks' own
 
 
 def read_summary(folder: Path) -> dict:
