@@ -28,7 +28,8 @@ from stare.algorithms import ALGORITHMS
 
 from . import errors
 from .errors import fail  # one line, escaped: rich would eat [...] in user values and hints
-from .presets import PresetError, load_preset, preset_names, resolve, shipped_preset_text, shipped_presets_dir
+from .presets import (DEFAULT_PRESET, PresetError, load_preset, preset_names, resolve, shipped_preset_text,
+                      shipped_presets_dir)
 
 app = typer.Typer(
     name="stare",
@@ -211,7 +212,7 @@ def _held_out_line(result: dict) -> str:
 @app.command()
 @_stoppable
 def run(
-    preset: str = typer.Option("tiny-cpu", "--preset", "-p", help="A preset (see `stare presets`) or path to a "
+    preset: str = typer.Option(DEFAULT_PRESET, "--preset", "-p", help="A preset (see `stare presets`) or path to a "
                                                                   "preset YAML file: local or GPU."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: runs/PRESET)."),
     algos: Optional[str] = typer.Option(None, "--algos", help="Comma-separated arms (default: the preset's list)."),

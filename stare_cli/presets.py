@@ -77,9 +77,18 @@ def read_config(path) -> dict:
     return data
 
 
+DEFAULT_PRESET = "tiny-cpu"  # the embedded CPU default: what `stare run` takes without --preset
+
+
 def preset_names() -> list[str]:
     files = resources.files("stare.configs")
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def local_presets() -> list:
+    """The shipped presets of the local engine, the embedded default first, then by name."""
+    names = sorted(preset_names(), key=lambda n: (n != DEFAULT_PRESET, n))
+    return [p for p in (load_preset(n) for n in names) if p.backend == "local"]
 
 
 def shipped_presets_dir() -> str:

@@ -61,10 +61,9 @@ def _algo_defaults(s: Setting) -> str:
 def local_run_settings_table() -> Table:
     """The local presets' settings, from the schema (``local_schema.LOCAL_SETTINGS``): the default per preset and
     the valid values."""
-    from .presets import load_preset, preset_names
+    from .presets import local_presets
 
-    names = sorted(preset_names(), key=lambda n: (n != "tiny-cpu", n))  # the embedded default first
-    presets = [p for p in (load_preset(n) for n in names) if p.backend == "local"]
+    presets = local_presets()
     table = Table(title="run settings of the local presets (--set key=value; default per preset)")
     table.add_column("setting", style="bold cyan", no_wrap=True)
     table.add_column("default")
@@ -113,10 +112,13 @@ def markdown_table(rows, default=None) -> str:
 def local_settings_markdown() -> str:
     """docs/local-settings.md: the local presets' settings table, rendered from the schema (a test keeps the file
     equal to this; regenerate with ``python -m stare.cli.settings_doc > docs/local-settings.md``)."""
+    from .presets import local_presets
+
+    names = ", ".join(f"`{p.name}`" for p in local_presets())
     return ("# Settings of the local presets\n\n"
             "Generated from `stare_cli/local_schema.py` (`LOCAL_SETTINGS`, the one table `stare algos --settings` "
             "prints too) by `python -m stare.cli.settings_doc > docs/local-settings.md`. Every local preset "
-            "(`tiny-cpu`, `tiny-explore`, `smollm-cpu`) is checked against it when it is loaded and again after "
+            f"({names}) is checked against it when it is loaded and again after "
             "`--set`; a value outside it is one line naming the setting, the value and what is valid, and nothing "
             "is written. The defaults are what a preset that leaves a setting out gets; `stare algos --settings` shows each "
             "preset's own values.\n\n"
