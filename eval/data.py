@@ -128,12 +128,16 @@ def _to_problems(rows, where: str, *, problem_field: str = "problem", answer_fie
     return out
 
 
-def _read_local(path: Path) -> list[Problem]:
+def read_rows(path: Path, what: str = "data file") -> tuple[list, list[int] | None]:
+    """The rows of a user's problem file (``.jsonl``: one JSON value a non-blank line; ``.json``: a list, or one
+    object; ``.parquet``) and, for ``.jsonl``, their line numbers: the one reader of problem files, for ``stare eval``
+    and the OpenRLHF prompt file alike. A bad line, byte or file is a one-line ``ValueError`` naming ``path`` (and the
+    line); ``what`` names the file's role in the message for a missing file or a folder."""
+    path = Path(path)
     if path.is_dir():
-        raise ValueError(f"--data-file {path} is a folder; expected a .jsonl or .parquet file with problem and answer "
-                         "fields (or 'hub')")
+        raise ValueError(f"{what} {path} is a folder; expected a .jsonl, .json or .parquet file")
     if not path.is_file():
-        raise ValueError(f"data file not found: {path}")
+        raise ValueError(f"{what} not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows, lines = [], []
@@ -145,16 +149,29 @@ def _read_local(path: Path) -> list[Problem]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
             lines.append(lineno)
-        return _to_problems(rows, str(path), line_numbers=lines)
+        return rows, lines
+    if suffix == ".json":
+        try:
+            data = json.loads(read_utf8(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
+        return (data if isinstance(data, list) else [data]), None
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
-            rows = pq.read_table(path).to_pylist()
+            return pq.read_table(path).to_pylist(), None
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
             raise ValueError(f"{path}: cannot read parquet file ({type(e).__name__}: {e})") from None
-        return _to_problems(rows, str(path))
-    raise ValueError(f"{path}: unsupported data file type {suffix or '(none)'!r}; use .jsonl or .parquet")
+    raise ValueError(f"{path}: unsupported {what} type {suffix or '(none)'!r}; use .jsonl, .json or .parquet")
+
+
+def _read_local(path: Path) -> list[Problem]:
+    if Path(path).is_dir():
+        raise ValueError(f"--data-file {path} is a folder; expected a .jsonl, .json or .parquet file with problem and "
+                         "answer fields (or 'hub')")
+    rows, lines = read_rows(path)
+    return _to_problems(rows, str(path), line_numbers=lines)
 
 
 def _load_hub(spec: BenchSpec) -> list[Problem]:

@@ -56,7 +56,7 @@ def write_task(bench: str, task_dir: Path, *, k: int, data_file: str | os.PathLi
         path = Path(data_file).resolve()
         kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
         if path.suffix.lower() not in kinds:
-            raise LmEvalError(f"{path}: unsupported data file type {path.suffix or '(none)'!r}; use .jsonl or .parquet")
+            raise LmEvalError(f"{path}: unsupported data file type {path.suffix or '(none)'!r}; use .jsonl, .json or .parquet")
         cfg.update({"dataset_path": kinds[path.suffix.lower()], "dataset_kwargs": {"data_files": {"test": str(path)}},
                     "test_split": "test"})
     task_dir.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from stare.eval.jsonl import read_utf8
+from stare.eval.data import answer_str, read_rows
 
 _DAPO_HEAD = re.compile(r"^\s*Solve the following math problem step by step\..*?\n\n", re.S)
 _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer on its own line after \"Answer:\"\.?\s*$", re.S)
@@ -44,40 +44,16 @@ def normalise_row(row: dict, where: str) -> tuple[str, str]:
     if answer is None:
         rm = row.get("reward_model")
         answer = rm.get("ground_truth") if isinstance(rm, dict) else row.get("solution")
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)
-    if not isinstance(problem, str) or not problem.strip() or answer is None or not str(answer).strip():
+    if not isinstance(problem, str) or not problem.strip() or answer is None or not answer_str(answer):
         raise ValueError(f"{where}: needs problem + answer, a DAPO-style prompt + reward_model.ground_truth, "
                          f"or prompt + solution (has {sorted(row)})")
-    return problem.strip(), str(answer).strip()
+    return problem.strip(), answer_str(answer)
 
 
 def _read_rows(source: str, split: str):
     path = Path(source)
     if path.suffix.lower() in (".jsonl", ".json", ".parquet") or path.exists():
-        if not path.is_file():
-            raise ValueError(f"training data file not found: {source}")
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            rows = []
-            for lineno, line in enumerate(read_utf8(path).split("\n"), start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
-            return rows, str(path)
-        if suffix == ".json":
-            try:
-                data = json.loads(read_utf8(path))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
-            return (data if isinstance(data, list) else [data]), str(path)
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(path).to_pylist(), str(path)
-        raise ValueError(f"{path}: unsupported training data type {suffix!r}; use .jsonl, .json or .parquet")
+        return read_rows(path, "training data file")[0], str(path)
     if source.count("/") != 1:
         raise ValueError(f"training data {source!r} is neither a file nor a hub id (owner/name)")
     import datasets
