@@ -504,11 +504,11 @@ def test_a_write_refused_by_the_file_system_later_is_one_line(tmp_path, monkeypa
     """Found only at the write (a file system that turns read-only mid-run): one line naming the file, exit 2."""
     import errno as errno_
 
-    import stare.cli.compare as compare_mod
+    import stare.cli.report.compare as compare_mod
 
     target = tmp_path / "cmp" / "comparison.md"
 
-    def refuse(dirs, out, baseline=None):  # the signature of stare.cli.compare.compare
+    def refuse(dirs, out, baseline=None):  # the signature of stare.cli.report.compare.compare
         raise OSError(errno_.EROFS, "Read-only file system", str(target))
 
     monkeypatch.setattr(compare_mod, "compare", refuse)
@@ -542,7 +542,7 @@ def test_model_that_is_a_file_is_one_line(tmp_path):
 def test_data_file_naming_a_folder_is_one_line(tmp_path):
     line = one_line(invoke("eval", "--bench", "aime24", "--model", "x/y", "--data-file", str(tmp_path),
                            "--backend", "hf", "--out", str(tmp_path / "o")))
-    assert f"--data-file {tmp_path} is a folder; expected a .jsonl or .parquet file" in line
+    assert f"--data-file {tmp_path} is a folder; expected a .jsonl, .json or .parquet file" in line
     assert not (tmp_path / "o").exists()
 
 
