@@ -263,7 +263,7 @@ def reflection_rate(responses: list[str], num_tokens: list[int]) -> float:
 # - ``stare.eval.summary`` writes them to summary.json (key, ``ci95`` for those with an interval) and summary.md
 #   (name, digits, interval);
 # - ``stare eval`` prints the ``printed`` ones (``stare.eval.summary.scores_line``);
-# - the comparison (``stare.cli.runs.summarise_benches``, ``stare.cli.tables``) shows the ``compare`` ones.
+# - the comparison (``stare.cli.report.runs.summarise_benches``, ``stare.cli.report.tables``) shows the ``compare`` ones.
 # A new metric is one row in ``METRICS`` (and, when it is per problem, one entry in the lm-eval tasks' metric_list,
 # which lm-eval needs to aggregate it: eval/lm_eval_tasks/_stare_aime_base.yaml; a test checks the two agree).
 

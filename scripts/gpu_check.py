@@ -73,8 +73,8 @@ STEPS: dict[str, Step] = {
     "stare-run-tiny-cpu": Step(
         [PY, "-m", "stare.cli.main", "run", "--preset", "tiny-cpu", "--out", "{out}/tiny-cpu", "--parallel", "4",
          "--set", "device=cuda"], 240,
-        ("stare.cli.main", "stare.cli.local.runner", "stare.cli.local.trainer", "stare.cli.tables",
-         "stare.cli.plots", "transformers", "tokenizers", "typer", "rich", "yaml", "numpy", "matplotlib.pyplot"),
+        ("stare.cli.main", "stare.cli.local.runner", "stare.cli.local.trainer", "stare.cli.report.tables",
+         "stare.cli.report.plots", "transformers", "tokenizers", "typer", "rich", "yaml", "numpy", "matplotlib.pyplot"),
         "the local engine end to end on the GPU (device=cuda: warm starts, training, evaluation; 4 arms share it)"),
     "bench-entropy": Step(
         bench("bench_entropy.py", "--n", str(8 * 4096), "--vocab", str(VOCAB), "--dtype", "bf16", "--repeats", "5",

@@ -17,7 +17,7 @@ that the cluster has the GPUs for them (``ray.cluster_resources()``).
    ``--dry-run`` prints ``ClusterPlan.to_json``.
 2. ``run_cluster``: the steps, a line as each starts and ends (with its time); a training or evaluation that fails
    is recorded (its error line and log) and the other arms go on; the comparison of every arm that trained
-   (``stare.cli.compare``: tables, seed intervals and tests, curves from the runs' TensorBoard logs), the failures
+   (``stare.cli.report.compare``: tables, seed intervals and tests, curves from the runs' TensorBoard logs), the failures
    in its notes. ``--resume`` retries the failed steps.
 """
 from __future__ import annotations
@@ -377,9 +377,9 @@ def run_cluster(plan: ClusterPlan, log_line) -> list[str]:
 
 
 def write_report(plan: ClusterPlan) -> list[Path]:
-    """The comparison of every arm-seed that trained (``stare.cli.compare``), the failures in its notes; returns
+    """The comparison of every arm-seed that trained (``stare.cli.report.compare``), the failures in its notes; returns
     the run folders compared (none: nothing written)."""
-    from .compare import compare
+    from .report.compare import compare
 
     dirs = [s.run_dir for s in plan.steps if s.kind == TRAIN and trained(s.run_dir)]
     if dirs:

@@ -105,7 +105,7 @@ def run_sweep(plans: list[StepPlan], console) -> list[tuple[StepPlan, dict]]:
     from stare.eval.summary import scores_line
 
     from .eval_plan import run_eval_plan
-    from .runs import read_summary
+    from .report.runs import read_summary
 
     out = []
     todo = sum(not p.done for p in plans)

@@ -4,7 +4,7 @@ work and prints the result.
 - ``train``: ``stare.cli.local.runner.train_arm`` (local presets) or ``stare.cli.openrlhf_backend.train`` (GPU presets);
 - ``run``: ``stare.cli.run_set`` (the arms and seeds) and ``stare.cli.local.runner.run_set``;
 - ``eval``: ``stare.cli.eval_plan`` (every check, then the harness);
-- ``compare``: ``stare.cli.compare``.
+- ``compare``: ``stare.cli.report.compare``.
 
 Errors the user can fix (an unknown preset, algorithm or setting, a bad value) print one line naming the
 bad value and the valid choices, and exit with code 2, without a traceback: ``errors.fail`` here, and
@@ -433,7 +433,7 @@ def compare(
     """Compare training runs and evaluations: comparison.md/.csv and entropy, reward, response-length and
     reflection plots against training step (one line per run, the target band shaded). Missing pieces are
     blank, never invented."""
-    from .compare import compare as run_compare
+    from .report.compare import compare as run_compare
 
     errors.check_out_dir(out)
     try:

@@ -5,7 +5,7 @@ tables and as its folder (``OUT/<algo>[KEY=V]/seed<S>/``); V is the value as typ
 filesystem: keys are setting names and values may hold only letters, digits and ``. _ + -``. The folder name is
 the record: ``arm_sweep`` reads it back from a run's folder (checked against the run's config.yaml), so
 ``stare compare`` labels a copied run folder the same way, and the dose-response table
-(``stare.cli.dose_response``) gets its values from the runs' settings.
+(``stare.cli.report.dose_response``) gets its values from the runs' settings.
 
 Refused before anything is written (``PresetError``, one line, exit 2): a key that is not a setting (``--set``'s
 words), a key that does nothing for one of the swept arms (``AlgoConfig.unused_settings``: W for grpo), a value its

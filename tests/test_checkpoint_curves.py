@@ -90,7 +90,7 @@ def openrlhf_run(tmp_path_factory):
 
 
 def test_checkpoint_sweep_resumes_and_compare_draws_the_curve(openrlhf_run, tmp_path):
-    from stare.cli.compare import compare
+    from stare.cli.report.compare import compare
     from stare.cli.eval_sweep import plan_sweep
     from stare.cli.rundir import saved_checkpoints
     from stare.eval import load_bench
@@ -187,7 +187,7 @@ def test_bad_checkpoint_requests_are_one_line(openrlhf_run, tmp_path):
 def test_local_run_keeps_checkpoints_and_evaluates_in_training(tmp_path):
     """keep_checkpoint_every and eval_every move no training number (same metrics and eval.json as a run without
     them); the kept last step is the final model; the in-training evaluation at the last step is eval.json's."""
-    from stare.cli.compare import compare
+    from stare.cli.report.compare import compare
     from stare.cli.local.trainer import LocalTrainer
     from stare.cli.presets import resolve
     from stare.cli.rundir import prepare_run_dir, saved_checkpoints

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from stare.cli.compare import compare
+from stare.cli.report.compare import compare
 
 # small enough for seconds per arm on two cores (as in test_local_engine.py)
 FAST = ["warmstart_steps=100", "warmstart_noise=0.3", "eval_problems=8", "prompts_per_step=4", "samples_per_prompt=4",
@@ -87,9 +87,9 @@ def test_an_eval_of_a_runs_final_model_joins_its_row(tmp_path):
 
 
 def test_arms_of_one_algorithm_with_other_settings_are_separate_rows_with_one_colour(tmp_path):
-    from stare.cli.plots import colour
-    from stare.cli.tables import group_arms
-    from stare.cli.runs import load_run
+    from stare.cli.report.plots import colour
+    from stare.cli.report.arms import group_arms
+    from stare.cli.report.runs import load_run
 
     make_run(tmp_path / "x" / "stare", "stare", [0.5] * 4)
     make_run(tmp_path / "y" / "stare", "stare", [0.3] * 4)
@@ -186,7 +186,7 @@ def test_seed_table_intervals_and_permutation_tests(tmp_path):
 
 
 def test_seed_table_p_values_below_a_thousandth_keep_their_digits():
-    from stare.cli.tables import _fmt_p
+    from stare.cli.report.tables import _fmt_p
 
     assert _fmt_p(1 / 12870) == "7.8e-05" and _fmt_p(0.05) == "0.050" and _fmt_p(None) == ""
 
@@ -217,7 +217,7 @@ def test_baseline_picks_one_of_two_arms_of_an_algorithm_by_folder(tmp_path):
     assert rows["dapo"]["late_entropy"]["p_lower"] == pytest.approx(p_higher(gate_off, dapo)) == pytest.approx(0.05)
     assert rows[off_label]["late_entropy"]["p_higher"] is None  # the baseline itself
     # the label as printed and the algorithm name pick arms too (the algorithm: its first arm, here the gate-on one)
-    from stare.cli.tables import find_baseline
+    from stare.cli.report.seeds import find_baseline
 
     arms = [{"arm": "stare", "label": on_label}, {"arm": "stare", "label": off_label}, {"arm": "dapo", "label": "dapo"}]
     assert find_baseline(arms, off_label) is arms[1] and find_baseline(arms, "stare") is arms[0]

@@ -13,7 +13,7 @@ import yaml
 pytest.importorskip("tensorboard", reason="tensorboard is not installed")
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
-from stare.cli.compare import compare  # noqa: E402
+from stare.cli.report.compare import compare  # noqa: E402
 
 STEPS = 20
 # the last 10% of 20 steps: 19-20; the last 25%: 16-20
@@ -99,7 +99,7 @@ def test_openrlhf_runs_in_the_table(openrlhf_run, tmp_path):
 
 
 def test_tensorboard_run_records(openrlhf_run):
-    from stare.cli.tensorboard_runs import event_dirs, load_tb_run
+    from stare.cli.report.tensorboard_runs import event_dirs, load_tb_run
 
     (folder,) = event_dirs(openrlhf_run)
     run = load_tb_run(folder)

@@ -236,7 +236,7 @@ def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path):
     and given comparison columns, with no other change."""
     import json
 
-    from stare.cli.tables import write_comparison
+    from stare.cli.report.tables import write_comparison
     from stare.eval import metrics
     from stare.eval.data import Problem
     from stare.eval.harness import Protocol, summarise

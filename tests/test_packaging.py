@@ -59,6 +59,20 @@ def test_the_openrlhf_pin_is_one_version_everywhere():
     assert not wrong, f"OPENRLHF_VERSION is {OPENRLHF_VERSION}, these files pin openrlhf otherwise: {wrong}"
 
 
+def test_every_subpackage_is_in_the_wheel():
+    """Each folder of the mapped trees that holds an ``__init__.py`` is listed in ``[tool.setuptools] packages``
+    under its ``stare.*`` name (an editable install finds a missing one, a wheel or the Docker image does not)."""
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    want = set()
+    for name, folder in cfg["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            want.add(".".join([name, *rel.parts]))
+    assert want - listed == set(), f"packages missing from pyproject.toml: {sorted(want - listed)}"
+    assert "stare.cli.report" in want
+
+
 def test_the_package_writes_the_openrlhf_version_once():
     """Messages, help and docstrings of the package read ``OPENRLHF_VERSION`` or say "the pinned OpenRLHF": the
     constant is the code's only copy of the version (an upgrade edits one line of Python)."""

@@ -6,9 +6,9 @@ import math
 import pytest
 import yaml
 
-from stare.cli.plots import plot_curves
-from stare.cli.runs import load_run, summarise_arm
-from stare.cli.tables import write_comparison
+from stare.cli.report.plots import plot_curves
+from stare.cli.report.runs import load_run, summarise_arm
+from stare.cli.report.tables import write_comparison
 from stare.eval.metrics import permutation_test
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -266,7 +266,7 @@ def test_plots_are_png_files(tmp_path):
 
 def test_eval_json_field_names_old_and_new():
     """eval.json's avg_at_k/pass_at_k (the names summary.json uses) are read, and so are the older avg_at_8/pass_at_8."""
-    from stare.cli.runs import held_out
+    from stare.cli.report.runs import held_out
 
     assert held_out({"avg_at_k": 0.5, "pass_at_k": 0.75, "greedy_accuracy": 0.25}, 8) == \
         {"avg_at_k": 0.5, "pass_at_k": 0.75, "greedy_accuracy": 0.25}

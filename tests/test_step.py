@@ -259,7 +259,7 @@ def test_old_metric_names_read_as_the_new_ones(tmp_path):
     # a new-format record is left alone
     assert upgrade_metric_names(new) == new
     # and a run folder written before the rename reads through load_run
-    from stare.cli.runs import load_run, run_measures
+    from stare.cli.report.runs import load_run, run_measures
 
     run = tmp_path / "old"
     run.mkdir()

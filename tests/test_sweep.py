@@ -231,7 +231,7 @@ def test_a_resumed_sweep_keeps_what_finished_and_redoes_only_the_rest(swept, tmp
 
 def test_a_folder_whose_name_and_config_disagree_is_not_a_swept_arm(swept, tmp_path):
     _, out, _ = swept
-    from stare.cli.runs import load_run
+    from stare.cli.report.runs import load_run
     from stare.cli.sweep import arm_sweep
 
     run = load_run(out / "stare[w=2]" / "seed0")

@@ -107,10 +107,10 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
     """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
     ``out`` (``run_arms``), then ``comparison.md``/``.csv``/``.json`` and the plots; returns the plot files."""
     from ..errors import check_out_dir
-    from ..dose_response import plot as plot_dose_response
-    from ..plots import plot_accuracy, plot_curves
-    from ..runs import load_run
-    from ..tables import write_comparison
+    from ..report.dose_response import plot as plot_dose_response
+    from ..report.plots import plot_accuracy, plot_curves
+    from ..report.runs import load_run
+    from ..report.tables import write_comparison
 
     first = next(iter(arm_set.resolved.values()))  # the arms share the preset's settings
     check_device(first)

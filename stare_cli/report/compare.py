@@ -6,11 +6,11 @@ Inputs, each a folder:
 - an evaluation output (``summary.json``): joined to the run it evaluated when its model is that run's
   ``final/`` folder, else a row of its own (one per model);
 - an OpenRLHF run: TensorBoard event files (``events.out.tfevents.*``, possibly in a subfolder named after the
-  run), read with the tag mapping in ``stare.cli.tensorboard_runs.TB_TAGS``; its settings come from a
+  run), read with the tag mapping in ``tensorboard_runs.TB_TAGS``; its settings come from a
   ``config.yaml`` beside or above the event folder when there is one;
 - a folder holding several runs (a ``stare run`` output, a TensorBoard log folder): every run below it.
 
-The table and plots are ``stare run``'s (``stare.cli.tables.write_comparison``, ``stare.cli.plots.plot_curves``):
+The table and plots are ``stare run``'s (``tables.write_comparison``, ``plots.plot_curves``):
 the same rows, columns, windows and colours, so both commands print the same numbers for the same runs.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from stare.cli.dose_response import plot as plot_dose_response
-from stare.cli.plots import CURVES, plot_accuracy, plot_curves
-from stare.cli.runs import load_run, read_checkpoint_curves, read_evals, read_summary
-from stare.cli.tables import write_comparison
-from stare.cli.tensorboard_runs import event_dirs, load_tb_run, run_root
+from stare.cli.report.dose_response import plot as plot_dose_response
+from stare.cli.report.plots import CURVES, plot_accuracy, plot_curves
+from stare.cli.report.runs import load_run, read_checkpoint_curves, read_evals, read_summary
+from stare.cli.report.tables import write_comparison
+from stare.cli.report.tensorboard_runs import event_dirs, load_tb_run, run_root
 
 REFLECTION_CURVE = ("reflection_rate", "reflection words per 1k tokens", "reflection.png")
 

@@ -5,7 +5,7 @@ held at one value; ``stare.cli.sweep``). Per value: the mean and the 95% interva
 table's) of late entropy, band share, held-out avg@k, final reward and each benchmark's avg@k; per measure: Spearman's
 rho of the per-run values against the swept value over every run of the series (seeds x values) with its exact
 two-sided permutation p (``stare.eval.metrics.spearman_trend``). Non-numeric values (a controller name) get the
-per-value rows but no trend. ``stare run`` and ``stare compare`` both write it (``stare.cli.tables``), and
+per-value rows but no trend. ``stare run`` and ``stare compare`` both write it (``tables``), and
 ``plot`` draws ``dose_response.png``.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def build(arms: list[dict], groups: list) -> list[dict]:
     in the same order. Each series: {"algo", "key", "fixed" (the other swept keys' values), "measures" ([name,
     header]), "rows" (per value: "value", "label", "n_seeds", and per measure "mean", "ci95", "n"), "trend" (per
     measure: spearman_trend's dict, or None)}."""
-    from .tables import t_interval
+    from .seeds import t_interval
 
     series: dict[tuple, dict] = {}
     for arm, group in zip(arms, groups):

@@ -1,6 +1,6 @@
 """The comparison plots: one curve per arm against RL step (``entropy.png``, ``reward.png``, ...).
 
-The arms and their labels are the comparison table's (``stare.cli.tables.group_arms``), and each algorithm has
+The arms and their labels are the comparison table's (``arms.group_arms``), and each algorithm has
 one colour everywhere (``colour``: the registry's order in matplotlib's tab10 palette), so ``stare run`` and
 ``stare compare`` draw GRPO, DAPO and each STARE variant alike. A curve that no run logged is not drawn: no
 empty frame is written.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .runs import Run, num
-from .tables import algo_rank, arm_labels, common, group_arms, reference_band
+from .arms import algo_rank, arm_labels, common, group_arms, reference_band
 
 SMOOTH = 5  # trailing moving average of the plotted curves, in steps
 

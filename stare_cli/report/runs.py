@@ -6,13 +6,13 @@ overall and on the hard cases, and the warm start's numbers before RL), and the 
 folders of ``stare eval --out RUN`` (``Run.evals``), and the accuracy-over-training curves (``Run.curves``: the
 ``eval-<bench>/step-<S>/`` folders of ``stare eval --checkpoints``, the ``heldout/*`` metrics of ``eval_every``).
 OpenRLHF runs are read into the same record from their
-TensorBoard logs (``stare.cli.tensorboard_runs``).
+TensorBoard logs (``tensorboard_runs``).
 
 1. ``load_run``: one run directory -> ``Run``;
 2. per-run measures (final reward, start and late-run entropy, band share, late reward slope, late response
    length, held-out numbers), the selection telemetry's step means (``TELEMETRY``), per-benchmark numbers
    (``summarise_benches``) and ``summarise_arm``: the measures of one arm's seeds, with their mean, sample std
-   and count. The table (``stare.cli.tables``) and the plots (``stare.cli.plots``) read these, for
+   and count. The table (``tables``) and the plots (``plots``) read these, for
    ``stare run`` and ``stare compare`` alike.
 
 A measure that cannot be computed (no eval.json, a key the metrics never logged, one seed for a std) is None
@@ -32,7 +32,7 @@ from stare.algorithms import upgrade_metric_names
 from stare.eval.data import BENCHES
 from stare.eval.metrics import compared
 
-from .presets import read_config
+from ..presets import read_config
 
 # Windows over the end of a run, in percent of its recorded steps (at least one step each).
 FINAL_PCT = 10  # final reward

@@ -1,5 +1,5 @@
 """The comparison table, one definition for ``stare run`` and ``stare compare``: ``comparison.md``,
-``comparison.csv`` and ``comparison.json`` from run records (``stare.cli.runs.Run``) and evaluation outputs.
+``comparison.csv`` and ``comparison.json`` from run records (``runs.Run``) and evaluation outputs.
 
 Rows: a warm-start row when the runs' eval.json files carry the warm start's numbers, then one row per arm.
 An arm is the runs of one algorithm that differ only in their seed (same preset, settings and algorithm
@@ -15,10 +15,10 @@ slope (least squares over the last ``SLOPE_PCT``% of steps); then, when there ar
 pass@k and the permutation-test p against the baseline; then, when any row has ``stare eval`` outputs, avg@k
 (with its 95% interval for one run) and pass@k per benchmark and reflection words per 1k tokens (the metrics
 ``stare.eval.metrics.METRICS`` marks for the comparison: ``compared("bench")``, ``compared("pooled")``); then,
-when any run has an accuracy-over-training curve (``stare.cli.runs.Run.curves``), its best and its last point per
+when any run has an accuracy-over-training curve (``runs.Run.curves``), its best and its last point per
 curve (``<key>_best_*``, ``<key>_last_*`` in the CSV, with their steps). The CSV also has the late response length. A value that cannot be computed is a blank cell, never 0.
 
-When any run logged the selection telemetry (``stare.cli.runs.TELEMETRY``: gate-on share, mean weight, the Phi > 0
+When any run logged the selection telemetry (``runs.TELEMETRY``: gate-on share, mean weight, the Phi > 0
 shares of the boosted and lowered tokens, masked and penalised shares, the entropy forecast with and without the
 weights), comparison.md ends with a second table, "Selection telemetry", one row per arm, and each arm in
 comparison.json has the same numbers under ``telemetry`` (per run under ``runs[i]["telemetry"]``).
@@ -28,93 +28,16 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from stare.algorithms import ALGORITHMS
 from stare.eval.metrics import compared, permutation_test
 
 from . import dose_response
+from .arms import arm_labels, arm_sweep, common, group_arms, reference_band
 from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, Run, aggregate, common_k, held_out, ordered_benches, run_band,
                    summarise_arm, summarise_benches)
-from .sweep import arm_sweep as arm_sweep_of
-
-
-def _arm_key(run: Run) -> str:
-    """What makes two runs seeds of one arm: the same algorithm, preset, settings (but the seed) and algorithm
-    settings. Runs without an algorithm (OpenRLHF logs without config.yaml) are each their own arm."""
-    if run.algo is None:
-        return f"path:{run.path}"
-    settings = {k: v for k, v in (run.config.get("settings") or {}).items() if k != "seed"}
-    return json.dumps([run.algo, run.config.get("preset"), settings, run.config.get("algo")], sort_keys=True,
-                      default=str)
-
-
-def algo_rank(algo: str | None) -> int:
-    """Position of an algorithm in the registry's order; unknown names and None come after every known one."""
-    names = list(ALGORITHMS)
-    return names.index(algo) if algo in names else len(names)
-
-
-def group_arms(runs: list[Run]) -> list[list[Run]]:
-    """The runs grouped into arms (see ``_arm_key``), in the registry's algorithm order, then first-seen order."""
-    arms: dict[str, list[list[Run]]] = {}
-    for r in runs:
-        groups = arms.setdefault(_arm_key(r), [])
-        # a run with the same settings and seed as one already in the arm (a repeat, e.g. `stare train` of an
-        # arm `stare run` also trained) is not another seed: it starts an arm of its own
-        home = next((g for g in groups if all(x.seed != r.seed for x in g)), None)
-        if home is None:
-            groups.append([r])
-        else:
-            home.append(r)
-    flat = [g for groups in arms.values() for g in groups]
-    return sorted(flat, key=_arm_order)  # sorted() is stable
-
-
-def _arm_order(group: list[Run]) -> tuple:
-    """The registry's algorithm order; an algorithm's arms of a sweep after its others, by their swept keys and then
-    values (numbers by value, anything else by its text), so stare run and stare compare list them alike."""
-    swept = arm_sweep(group)
-    values = tuple(sorted((k, 0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool)
-                          else (k, 1, 0, str(v)) for k, v in (swept[1].items() if swept else ())))
-    return algo_rank(group[0].algo), swept is not None, values
-
-
-def arm_sweep(group: list[Run]) -> tuple[str, dict] | None:
-    """(``algo[KEY=V,...]``, {KEY: value}) of an arm of a ``stare run --sweep`` (``stare.cli.sweep.arm_sweep``: its
-    folder's name, checked against the config), else None."""
-    return arm_sweep_of(group[0].path, group[0].config, group[0].algo)
-
-
-def arm_labels(arms: list[list[Run]]) -> list[str]:
-    """One label per arm: the algorithm's name (``algo[KEY=V]`` for an arm of a sweep), with the arm's folder
-    added when two arms share a name."""
-    names = [(arm_sweep(group) or (group[0].algo or "openrlhf",))[0] for group in arms]
-    labels = []
-    for name, group in zip(names, arms):
-        if names.count(name) == 1:
-            labels.append(name)
-        else:
-            where = Path(group[0].path) if len(group) == 1 else Path(group[0].path).parent
-            labels.append(f"{name} ({where})")
-    return labels
-
-
-def common(values):
-    """The value all of them share, or the distinct values joined with '/' (None when there are none)."""
-    distinct = list(dict.fromkeys(v for v in values if v is not None))
-    if len(distinct) == 1:
-        return distinct[0]
-    return "/".join(map(str, distinct)) if distinct else None
-
-
-def reference_band(runs: list[Run]) -> tuple[float, float] | None:
-    """The band of the first arm with a band controller, else of the first run that names one."""
-    banded = [r for r in runs if r.config["algo"].get("stare") and r.config["algo"].get("controller") == "band"]
-    for r in banded + runs:
-        if run_band(r):
-            return run_band(r)
-    return None
+from .seeds import SEED_MEASURES, find_baseline, seed_tests
 
 
 def _warmstart(runs: list[Run], k: int | None) -> dict | None:
@@ -198,59 +121,6 @@ def _telemetry_md(arms: list[dict]) -> list[str]:
     return md
 
 
-# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-# the measures the seed table tests against the baseline: (measure, header)
-SEED_MEASURES = (("avg_at_k", "avg@k"), ("late_entropy", "late H"), ("band_share", "band share"))
-
-
-def t_interval(values: list[float]) -> tuple[float, float] | None:
-    """The 95% interval of the mean over seeds, mean -+ t(0.975, n - 1) s / sqrt(n); None under two values."""
-    n = len(values)
-    if n < 2:
-        return None
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
-    return mean - half, mean + half
-
-
-def _seed_values(arm: dict, measure: str) -> list[float]:
-    return [p[measure] for p in arm["runs"] if p.get(measure) is not None]
-
-
-def find_baseline(arms: list[dict], baseline: str) -> dict | None:
-    """The arm the tests compare against: the one labelled ``baseline`` (``stare (runs/x/stare)`` where two arms
-    share an algorithm), or whose folder is ``baseline`` (the part of such a label in parentheses), else the first
-    arm of algorithm ``baseline``; None when there is none."""
-    for match in (lambda a: a.get("label") == baseline, lambda a: str(a.get("label", "")).endswith(f" ({baseline})"),
-                  lambda a: a["arm"] == baseline):
-        found = next((a for a in arms if match(a)), None)
-        if found is not None:
-            return found
-    return None
-
-
-def seed_tests(arms: list[dict], base: dict | None) -> list[dict]:
-    """Per arm and measure of SEED_MEASURES: the 95% interval over seeds and, against the arm ``base``
-    (``find_baseline``; None: no tests; both with two seeds or more), the one-sided exact permutation p-values for
-    "higher" and for "lower"."""
-    out = []
-    for arm in arms:
-        row = {"label": arm["label"], "n_seeds": arm["n_seeds"]}
-        for measure, _ in SEED_MEASURES:
-            vals = _seed_values(arm, measure)
-            row[measure] = {"ci95": t_interval(vals), "p_higher": None, "p_lower": None}
-            if base is not None and arm is not base:
-                ref = _seed_values(base, measure)
-                if len(vals) >= 2 and len(ref) >= 2:
-                    row[measure]["p_higher"] = permutation_test(vals, ref)
-                    row[measure]["p_lower"] = permutation_test([-v for v in vals], [-v for v in ref])
-        out.append(row)
-    return out
-
-
 def _fmt_p(p: float | None) -> str:
     """A p-value: three decimals, or two significant digits below 0.001 (8 seeds against 8 reach 7.8e-5)."""
     return "" if p is None else (f"{p:.2g}" if p < 0.001 else f"{p:.3f}")
@@ -278,18 +148,33 @@ def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
     return md
 
 
-def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
-                     require_baseline: bool = False, notes: list[str] = ()) -> dict:
-    """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
+@dataclass
+class Comparison:
+    """The comparison as data: ``summary`` is comparison.json; the rest is the table's layout, shared by the
+    markdown and the CSV writer."""
+    summary: dict
+    columns: list  # (measure, md header, csv name, signed, shown in the markdown)
+    rows: list  # (md label, csv name, seeds, metrics, p, benches), the warm start's row first when there is one
+    row_curves: list  # per row: curve key -> its best and last points
+    benches: list
+    bench_metrics: list
+    pooled: list
+    curve_keys: list
+    curve_labels: dict
+    kk: str  # k as the headers name it
+    show_p: bool
+    p_col: str
+    band: tuple | None
 
-    ``runs``: training runs (their ``evals`` already joined); ``evals``: summary.json dicts of evaluations that
-    belong to none of the runs (one row per model). The rows and columns are those of the module docstring. The
-    seed table, and with hard-case results each arm's per-seed hard pass@k, are tested against ``baseline``
-    (``find_baseline``: an arm's label, its folder or an algorithm; one-sided exact permutation tests, both arms
-    with two seeds or more). With ``require_baseline`` a ``baseline`` that names no arm is a ValueError listing the
-    arms, raised before anything is written; without it the tables simply have no p-values. ``notes``: lines the
-    caller adds to the table's notes (first).
-    """
+
+def _pooled_cell(m, bench_cells: dict) -> dict | None:
+    """A pooled metric's cell: the first bench (in bench order) that measured it."""
+    return next((c[m.compare_name] for c in bench_cells.values() if c[m.compare_name]["n"]), None)
+
+
+def build_comparison(runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
+                     require_baseline: bool = False, notes: list[str] = ()) -> Comparison:
+    """The comparison as data, before any file is written; the arguments are ``write_comparison``'s."""
     if not runs and not evals:
         raise ValueError("write_comparison needs at least one run or evaluation")
     k = common_k(runs)
@@ -313,8 +198,6 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     if base is None and require_baseline:
         raise ValueError(f"--baseline {baseline!r}: no arm of that name, label or folder here; the arms are: "
                          + ", ".join(a["label"] for a in arms))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     test_name = f"one-sided exact permutation test on per-seed hard-case pass@k vs {baseline}"
 
     # p-values: each arm's per-seed hard pass@k against the baseline's
@@ -386,9 +269,6 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     pooled = [m for m in compared("pooled")
               if any(c[m.compare_name]["n"] for row in arms + eval_rows for c in row["benches"].values())]
 
-    def pooled_cell(m, bench_cells: dict) -> dict | None:  # the first bench (in bench order) that measured it
-        return next((c[m.compare_name] for c in bench_cells.values() if c[m.compare_name]["n"]), None)
-
     # accuracy over training (Run.curves): the best and the last point of each curve, per arm
     curve_keys = sorted({key for a in arms for key in a["curves"]})
     curve_labels = {key: next(a["curves"][key]["label"] for a in arms if key in a["curves"]) for key in curve_keys}
@@ -399,18 +279,26 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
             for a in arms] + \
            [(e["label"], e["label"], 1, {}, None, e["benches"]) for e in eval_rows]
     row_curves = ([{}] if ws else []) + [a["curves"] for a in arms] + [{} for _ in eval_rows]
+    return Comparison(summary, columns, rows, row_curves, benches, bench_metrics, pooled, curve_keys, curve_labels, kk,
+                      show_p, p_col, band)
 
-    # comparison.md
+
+def comparison_markdown(comp: Comparison) -> str:
+    """comparison.md: the table, its notes, the seed table, the dose-response and the selection telemetry."""
+    summary, columns, rows, row_curves = comp.summary, comp.columns, comp.rows, comp.row_curves
+    benches, bench_metrics, pooled, curve_keys = comp.benches, comp.bench_metrics, comp.pooled, comp.curve_keys
+    kk = comp.kk
+    arms, notes, band, show_p, baseline = summary["arms"], summary["notes"], comp.band, comp.show_p, summary["baseline"]
     seeds = common(a["n_seeds"] for a in arms)
     header = (f"preset {summary['preset']}, task {summary['task']}, {summary['steps']} steps, {seeds} seed(s) per "
               f"arm, held-out k = {kk}, target entropy band "
               + (f"[{band[0]:.2f}, {band[1]:.2f}]" if band else "(none)"))
     shown = [c for c in columns if c[4]]
-    titles = ["arm", "seeds"] + [c[1] for c in shown] + ([p_col] if show_p else [])
+    titles = ["arm", "seeds"] + [c[1] for c in shown] + ([comp.p_col] if show_p else [])
     for b in benches:
         titles += [f"{b} {m.label('k')}" for m in bench_metrics]
     titles += [m.compare_header for m in pooled]
-    titles += [f"{curve_labels[key]} {which}" for key in curve_keys for which in ("best", "last")]
+    titles += [f"{comp.curve_labels[key]} {which}" for key in curve_keys for which in ("best", "last")]
     md = ["# Comparison", "", header, "",
           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for (label, _, n, metrics, p, bench_cells), curves in zip(rows, row_curves):
@@ -418,7 +306,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         for b in benches:
             cell = bench_cells.get(b)
             cells += [_bench_cell(cell, n)] + [_cell(cell[m.key], n) if cell else "" for m in bench_metrics[1:]]
-        cells += [_cell(pooled_cell(m, bench_cells), n, digits=m.compare_digits) for m in pooled]
+        cells += [_cell(_pooled_cell(m, bench_cells), n, digits=m.compare_digits) for m in pooled]
         cells += [_curve_cell(curves.get(key), which, n) for key in curve_keys for which in ("best", "last")]
         md.append("| " + " | ".join(cells) + " |")
     md += ["", f"final reward: mean reward over the last {FINAL_PCT}% of steps; late H and band share: the last "
@@ -437,9 +325,14 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     md += _seed_md(summary["seed_tests"], baseline, kk)
     md += dose_response.markdown(summary["dose_response"], kk)
     md += _telemetry_md(arms)
-    (out_dir / "comparison.md").write_text("\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
 
-    # comparison.csv
+
+def write_comparison_csv(comp: Comparison, path: Path) -> None:
+    """comparison.csv: one row per table row, each measure as mean and std (and a benchmark's interval and k)."""
+    summary, columns, rows, row_curves = comp.summary, comp.columns, comp.rows, comp.row_curves
+    benches, bench_metrics, pooled, curve_keys = comp.benches, comp.bench_metrics, comp.pooled, comp.curve_keys
+    kk, show_p, baseline = comp.kk, comp.show_p, summary["baseline"]
     fields = ["arm", "seeds"] + [f"{c[2]}_{s}" for c in columns for s in ("mean", "std")] + \
              ([f"p_hard_pass_at_{kk}_vs_{baseline}"] if show_p else [])
     for b in benches:  # the headline metric with its interval, the other bench metrics, k
@@ -452,7 +345,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
         agg = agg or {}
         return ["" if agg.get(s) is None else repr(agg[s]) for s in ("mean", "std")]
 
-    with open(out_dir / "comparison.csv", "w", newline="") as f:
+    with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(fields)
         for (_, name, n, metrics, p, bench_cells), curves in zip(rows, row_curves):
@@ -470,7 +363,7 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
                 cells += [x for m in bench_metrics[1:] for x in pair(cell[m.key])]
                 cells.append(cell["k"] if cell["k"] is not None else "")
             for m in pooled:
-                cells += pair(pooled_cell(m, bench_cells))
+                cells += pair(_pooled_cell(m, bench_cells))
             for key in curve_keys:
                 curve = curves.get(key)
                 for which in ("best", "last"):
@@ -478,5 +371,23 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
                     cells += pair(curve[which] if curve else None) + ["" if step is None else step]
             writer.writerow(cells)
 
-    (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+
+def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
+                     require_baseline: bool = False, notes: list[str] = ()) -> dict:
+    """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
+
+    ``runs``: training runs (their ``evals`` already joined); ``evals``: summary.json dicts of evaluations that
+    belong to none of the runs (one row per model). The rows and columns are those of the module docstring. The
+    seed table, and with hard-case results each arm's per-seed hard pass@k, are tested against ``baseline``
+    (``find_baseline``: an arm's label, its folder or an algorithm; one-sided exact permutation tests, both arms
+    with two seeds or more). With ``require_baseline`` a ``baseline`` that names no arm is a ValueError listing the
+    arms, raised before anything is written; without it the tables simply have no p-values. ``notes``: lines the
+    caller adds to the table's notes (first).
+    """
+    comp = build_comparison(runs, baseline=baseline, evals=evals, require_baseline=require_baseline, notes=notes)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "comparison.md").write_text(comparison_markdown(comp))
+    write_comparison_csv(comp, out_dir / "comparison.csv")
+    (out_dir / "comparison.json").write_text(json.dumps(comp.summary, indent=2) + "\n")
+    return comp.summary

@@ -19,7 +19,7 @@ import math
 import re
 from pathlib import Path
 
-from .presets import read_config
+from ..presets import read_config
 
 # metric key (as in a local run's metrics.jsonl) -> TensorBoard tags, in order of preference: the first tag the run
 # logged at all is used for every step (STARE's batch entropy of the old policy before OpenRLHF's entropy_loss).
@@ -31,7 +31,7 @@ TB_TAGS: dict[str, tuple[str, ...]] = {
     "stare/gate_on": ("train/stare/gate", "train/stare/gate_on"),  # the plugin's ControllerState.as_metrics: gate_on
     "stare/w": ("train/stare/w",),
     "stare/m": ("train/stare/m",),
-    # the selection telemetry (``stare.cli.runs.TELEMETRY``); runs written before the rename logged boosted_raise_share
+    # the selection telemetry (``runs.TELEMETRY``); runs written before the rename logged boosted_raise_share
     "stare/mean_weight": ("train/stare/mean_weight",),
     "stare/boosted_phi_pos_share": ("train/stare/boosted_phi_pos_share", "train/stare/boosted_raise_share"),
     "stare/lowered_phi_pos_share": ("train/stare/lowered_phi_pos_share",),
@@ -119,7 +119,7 @@ def eval_curves(scalars: dict[str, dict[int, float]]) -> dict[str, dict]:
 
 
 def load_tb_run(folder: Path):
-    """A ``Run`` (as ``stare.cli.runs`` defines; ``algo`` None without a config.yaml) from the event files in
+    """A ``Run`` (as ``runs`` defines; ``algo`` None without a config.yaml) from the event files in
     ``folder``; ValueError when none of ``TB_TAGS``' tags is there."""
     from .runs import Run
 
