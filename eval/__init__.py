@@ -1,7 +1,10 @@
 """stare.eval: benchmark evaluation building blocks (data, math-verify scoring, avg@k / pass@k / maj@k, intervals).
 
-``harness`` is ``stare eval`` (HF and vLLM backends), ``lm_eval_harness`` runs the lm-eval tasks shipped in
-``lm_eval_tasks`` (``stare eval --harness lm-eval``); the local engine uses ``pass_at_k`` for its held-out numbers.
+``stare eval`` is ``harness`` (the run loop) with ``protocols`` (sampling settings, sample seeds), ``backends``
+(HF and vLLM), ``record`` (an output folder's settings and resume) and ``summary``; answers are read by
+``extraction`` and judged by ``scoring`` (math-verify in ``verify_pool``'s worker processes). ``lm_eval_harness``
+runs the lm-eval tasks shipped in ``lm_eval_tasks`` (``stare eval --harness lm-eval``); the local engine uses
+``pass_at_k`` for its held-out numbers.
 """
 from .data import BENCHES, Problem, load_bench, repair_escapes
 from .metrics import (
@@ -16,7 +19,8 @@ from .metrics import (
     permutation_test,
     reflection_rate,
 )
-from .scoring import ScoringError, check_many, extract_boxed, is_correct, score_many, shutdown
+from .extraction import extract_boxed
+from .scoring import ScoringError, check_many, is_correct, score_many, shutdown
 
 __all__ = [
     "BENCHES", "Problem", "avg_at_k", "bootstrap_ci", "count_reflections", "load_bench", "maj_at_k",

@@ -17,7 +17,9 @@ import logging
 import os
 from collections import deque
 
-from .harness import PromptTooLong, _stderr_warning, problem_seed
+from .backends import PromptTooLong
+from .harness import stderr_warning
+from .protocols import problem_seed
 
 IN_FLIGHT = 2  # problems queued per engine: the next one waits in the actor while the driver scores the last
 
@@ -88,7 +90,7 @@ class EnginePool:
         if engines < 1:
             raise ValueError(f"--engines must be >= 1, got {engines}")
         self.ray, self._own_ray = start_ray(ray_address, engines)
-        self.warn = warn or _stderr_warning
+        self.warn = warn or stderr_warning
         self.engines = engines
         self.actors: list = []  # filled as they are created, so close() ends them even when one fails to start
         try:

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import yaml
 
-from .harness import Protocol, package_version
-from .harness import versions as harness_versions
+from .backends import package_version
+from .backends import versions as harness_versions
+from .extraction import extract_boxed
 from .lm_eval_tasks import TASKS, TASKS_DIR
 from .metrics import problem_metrics, sample_metrics, sample_values
-from .scoring import extract_boxed
+from .protocols import Protocol
 from .summary import core_summary, write_summary
 
 LM_EVAL_MODELS = {"hf": "hf", "vllm": "vllm"}  # stare's --backend -> lm-eval's model type

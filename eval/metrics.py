@@ -258,7 +258,7 @@ def reflection_rate(responses: list[str], num_tokens: list[int]) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 # THE table of evaluation metrics. Every reader takes its metrics from here, in this order:
-# - both harnesses compute them (``stare.eval.harness.summarise``; ``stare.eval.lm_eval_tasks.utils.process_results``
+# - both harnesses compute them (``stare.eval.summary.summarise``; ``stare.eval.lm_eval_tasks.utils.process_results``
 #   per problem and ``stare.eval.lm_eval_harness.summarise``), ``problem_values`` and ``sample_values`` below;
 # - ``stare.eval.summary`` writes them to summary.json (key, ``ci95`` for those with an interval) and summary.md
 #   (name, digits, interval);
@@ -353,6 +353,11 @@ def problem_values(correct: list[list[bool]], extracted: list[list[str | None]],
     if len(extracted) != len(correct):
         raise ValueError(f"extracted has {len(extracted)} problems but correct has {len(correct)}")
     return {m.key: [m.per_problem(c, e, k) for c, e in zip(correct, extracted)] for m in problem_metrics()}
+
+
+def problem_means(values: dict[str, list[float]]) -> dict[str, float]:
+    """Each per-problem metric as summary.json and eval.json report it: the mean of its per-problem values."""
+    return {key: sum(v) / len(v) for key, v in values.items()}
 
 
 def sample_values(responses: list[str], num_tokens: list[int]) -> dict[str, float]:

@@ -137,7 +137,8 @@ def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
     problems, the backend, the engines, the protocol with its overrides."""
     from stare.eval import BENCHES, load_bench
     from stare.eval.data import local_data_file
-    from stare.eval.harness import check_backend, resolve_protocol
+    from stare.eval.backends import check_backend
+    from stare.eval.protocols import resolve_protocol
 
     from .eval_plan import check_engines, check_harness
 
@@ -163,7 +164,8 @@ def _eval_state(run_dir: Path, bench: str, evals: EvalOptions, seed: int) -> str
     if not (has_summary or has_samples):
         return NEW
     from stare.eval.data import local_data_file
-    from stare.eval.harness import EvalRefused, check_resume, eval_record, resolve_protocol
+    from stare.eval.protocols import resolve_protocol
+    from stare.eval.record import EvalRefused, check_resume, eval_record
 
     proto = resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
     local = local_data_file(bench, None)

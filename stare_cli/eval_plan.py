@@ -117,7 +117,7 @@ def check_engines(engines: int, ray_address: str | None, harness: str) -> None:
 def build_engine(backend: str, model: str, tp: int, seed: int, tools: str | None = None, tool_config=None):
     """The backend ``stare eval`` samples with (wrapped for tool use with ``tools``); with several engines each Ray
     actor calls it in its own process."""
-    from stare.eval.harness import make_backend
+    from stare.eval.backends import make_backend
 
     engine = make_backend(backend, model, tp, seed)
     if tools is not None:
@@ -132,7 +132,7 @@ class EvalPlan:
     bench: str
     model: str
     out: Path
-    proto: object  # stare.eval.harness.Protocol
+    proto: object  # stare.eval.protocols.Protocol
     backend: str  # hf | vllm
     harness: str  # stare | lm-eval
     tp: int
@@ -159,8 +159,9 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     """Every check ``stare eval`` makes before a model is loaded or anything is written, in this order."""
     from stare.eval import BENCHES, load_bench
     from stare.eval.data import local_data_file
-    from stare.eval.harness import EvalRefused, check_backend, check_resume, default_backend, eval_record, \
-        resolve_protocol
+    from stare.eval.backends import check_backend, default_backend
+    from stare.eval.protocols import resolve_protocol
+    from stare.eval.record import EvalRefused, check_resume, eval_record
 
     if bench not in BENCHES:
         raise CliError(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
@@ -251,7 +252,8 @@ def run_with_progress(plan: EvalPlan, engine, console) -> dict:
     """The stare harness on ``engine`` (one backend, or several engines) under a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from stare.eval.harness import EvalRefused, run_eval
+    from stare.eval.harness import run_eval
+    from stare.eval.record import EvalRefused
 
     proto = plan.proto
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

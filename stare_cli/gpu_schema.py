@@ -55,7 +55,7 @@ def _check_benches(value: str) -> str | None:
 
 
 def _check_protocol(value: str) -> str | None:
-    from stare.eval.harness import PROTOCOLS  # no torch import: the eval package loads torch lazily
+    from stare.eval.protocols import PROTOCOLS  # no torch import: the eval package loads torch lazily
 
     if value not in PROTOCOLS:
         return f"setting 'eval_protocol' must be one of {', '.join(PROTOCOLS)} (stare eval --protocol), got {value!r}"

@@ -12,7 +12,7 @@ from stare.cli import rundir
 from stare.cli.main import app
 from stare.cli.presets import resolve
 from stare.cli.rundir import RunDirError, check_resumable, prepare_run_dir
-from stare.eval import harness
+from stare.eval import harness, protocols, record
 from stare.eval.data import Problem
 from tiny_models import PROBLEMS, write_problems
 
@@ -165,7 +165,7 @@ def evaluated(tmp_path):
     (model / "config.json").write_text("{}")
     out = tmp_path / "out"
     problems = [Problem(r["id"], r["problem"], r["answer"]) for r in PROBLEMS]
-    proto = harness.resolve_protocol("stare", k=2, max_tokens=8)
+    proto = protocols.resolve_protocol("stare", k=2, max_tokens=8)
     harness.run_eval(problems, Scripted(), proto, out, bench="aime24", model=str(model), seed=0, resume=False,
                      data=str(data.resolve()))
     return out, model, data
@@ -201,21 +201,21 @@ def test_eval_resume_with_other_settings_is_refused_naming_the_setting(evaluated
 
 def test_eval_resume_with_other_bench_is_refused(evaluated):
     out, model, data = evaluated
-    with pytest.raises(harness.EvalRefused, match="--bench aime25: .* bench aime24"):
-        rec = json.loads((out / harness.RECORD).read_text())
-        harness.check_resume(out, {**rec, "bench": "aime25"})
+    with pytest.raises(record.EvalRefused, match="--bench aime25: .* bench aime24"):
+        rec = json.loads((out / record.RECORD).read_text())
+        record.check_resume(out, {**rec, "bench": "aime25"})
 
 
 def test_a_folder_from_before_the_record_is_checked_against_its_summary_and_samples(evaluated):
     out, model, data = evaluated
-    rec = json.loads((out / harness.RECORD).read_text())
-    (out / harness.RECORD).unlink()
-    with pytest.raises(harness.EvalRefused, match="--k 3: .*with k 2"):
-        harness.check_resume(out, {**rec, "k": 3})  # from summary.json
+    rec = json.loads((out / record.RECORD).read_text())
+    (out / record.RECORD).unlink()
+    with pytest.raises(record.EvalRefused, match="--k 3: .*with k 2"):
+        record.check_resume(out, {**rec, "k": 3})  # from summary.json
     (out / "summary.json").unlink()
-    with pytest.raises(harness.EvalRefused, match="--k 3: .*with k 2"):
-        harness.check_resume(out, {**rec, "k": 3})  # from the samples' indices
-    harness.check_resume(out, rec)
+    with pytest.raises(record.EvalRefused, match="--k 3: .*with k 2"):
+        record.check_resume(out, {**rec, "k": 3})  # from the samples' indices
+    record.check_resume(out, rec)
 
 
 def test_a_cut_last_samples_line_is_dropped_with_one_warning_and_redone(evaluated):
@@ -224,11 +224,11 @@ def test_a_cut_last_samples_line_is_dropped_with_one_warning_and_redone(evaluate
     full = path.read_text()
     path.write_text(full[: len(full) - 20])  # the last sample's line cut by a kill
     warnings = []
-    done = harness.read_done(path, 2, warnings.append)
+    done = record.read_done(path, 2, warnings.append)
     assert len(warnings) == 1 and "the last line was cut" in warnings[0]
     assert len(done) == len(PROBLEMS) - 1  # the cut problem is redone
     problems = [Problem(r["id"], r["problem"], r["answer"]) for r in PROBLEMS]
-    harness.run_eval(problems, Scripted(), harness.resolve_protocol("stare", k=2, max_tokens=8), out,
+    harness.run_eval(problems, Scripted(), protocols.resolve_protocol("stare", k=2, max_tokens=8), out,
                      bench="aime24", model=str(model), seed=0, resume=True, data=str(data.resolve()),
                      warn=warnings.append)
     assert path.read_text() == full
@@ -255,8 +255,8 @@ class ShortContext(Scripted):
 
 def test_a_model_whose_context_fits_no_problem_is_refused_before_writing(tmp_path):
     problems = [Problem(r["id"], r["problem"], r["answer"]) for r in PROBLEMS]
-    with pytest.raises(harness.EvalRefused, match=r"--model m: its context of 4 tokens fits no problem \(the "
-                                                  r"shortest prompt has \d+ tokens\)"):
-        harness.run_eval(problems, ShortContext(), harness.resolve_protocol("stare", k=1), tmp_path / "o",
+    with pytest.raises(record.EvalRefused, match=r"--model m: its context of 4 tokens fits no problem \(the "
+                                                 r"shortest prompt has \d+ tokens\)"):
+        harness.run_eval(problems, ShortContext(), protocols.resolve_protocol("stare", k=1), tmp_path / "o",
                          bench="aime24", model="m", seed=0, resume=False)
     assert not (tmp_path / "o").exists()

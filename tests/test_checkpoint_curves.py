@@ -94,7 +94,9 @@ def test_checkpoint_sweep_resumes_and_compare_draws_the_curve(openrlhf_run, tmp_
     from stare.cli.eval_sweep import plan_sweep
     from stare.cli.rundir import saved_checkpoints
     from stare.eval import load_bench
-    from stare.eval.harness import HFBackend, resolve_protocol, run_eval
+    from stare.eval.backends import HFBackend
+    from stare.eval.harness import run_eval
+    from stare.eval.protocols import resolve_protocol
 
     root, data = openrlhf_run
     assert [s for s, _ in saved_checkpoints(root)] == list(STEPS)

@@ -211,11 +211,11 @@ def presets_digest() -> str:
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
     from stare.cli.local import runner as runner_mod, trainer as trainer_mod
-    from stare.eval import harness
+    from stare.eval import backends
 
     monkeypatch.setattr(trainer_mod.LocalTrainer, "run", _accept)
     monkeypatch.setattr(runner_mod, "run_arms", _accept)
-    monkeypatch.setattr(harness, "make_backend", _accept)
+    monkeypatch.setattr(backends, "make_backend", _accept)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub-looking --model is judged without the network
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("STARE_DATA_DIR", raising=False)

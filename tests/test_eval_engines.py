@@ -18,7 +18,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from stare.eval.data import Problem  # noqa: E402
-from stare.eval.harness import HFBackend, Protocol, run_eval  # noqa: E402
+from stare.eval.backends import HFBackend  # noqa: E402
+from stare.eval.harness import run_eval
+from stare.eval.protocols import Protocol
 from tiny_models import build_tiny_model  # noqa: E402
 
 K, MAX_TOKENS, SEED = 3, 8, 5

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from stare.eval.data import Problem
-from stare.eval.harness import Protocol, run_eval
+from stare.eval.harness import run_eval
+from stare.eval.protocols import Protocol
 from tiny_models import build_tiny_model
 
 
@@ -143,7 +144,7 @@ class ContextBackend:
         return 150 if prompt == "qlong" else 10
 
     def generate(self, prompt, n, proto, seed):
-        from stare.eval.harness import PromptTooLong
+        from stare.eval.backends import PromptTooLong
 
         self.calls.append(prompt)
         if prompt == "qlong":
@@ -153,7 +154,8 @@ class ContextBackend:
 
 
 def test_not_attempted_and_truncated_by_hand(tmp_path):
-    from stare.eval.harness import Protocol, run_eval
+    from stare.eval.harness import run_eval
+    from stare.eval.protocols import Protocol
 
     problems = [Problem("a", "qa", "1"), Problem("long", "qlong", "7"), Problem("b", "qb", "0")]
     proto = Protocol("stare", 4, 1.0, 0.7, 90)

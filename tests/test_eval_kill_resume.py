@@ -15,13 +15,13 @@ K = 2
 # problems; the slow-down lives only here, in the process the test starts.
 SLOW_STARE = """
 import sys, time
-from stare.eval import harness
+from stare.eval import backends
 DELAY = float(sys.argv[1])
-generate = harness.HFBackend.generate
+generate = backends.HFBackend.generate
 def slow_generate(self, *args, **kwargs):
     time.sleep(DELAY)
     return generate(self, *args, **kwargs)
-harness.HFBackend.generate = slow_generate
+backends.HFBackend.generate = slow_generate
 sys.argv = ["stare", *sys.argv[2:]]
 from stare.cli.main import main
 main()

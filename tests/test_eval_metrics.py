@@ -199,7 +199,7 @@ def test_one_summary_builder_numbers_by_hand(tmp_path):
     lm-eval's own aggregates kept when given, one atomic write."""
     import json
 
-    from stare.eval.harness import Protocol
+    from stare.eval.protocols import Protocol
     from stare.eval.summary import core_summary, write_summary
 
     proto = Protocol("stare", 4, 1.0, 0.7, 16)
@@ -239,9 +239,9 @@ def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path):
     from stare.cli.report.tables import write_comparison
     from stare.eval import metrics
     from stare.eval.data import Problem
-    from stare.eval.harness import Protocol, summarise
     from stare.eval.lm_eval_tasks import utils
-    from stare.eval.summary import scores_line
+    from stare.eval.protocols import Protocol
+    from stare.eval.summary import scores_line, summarise
 
     row = metrics.Metric("first_at_k", "first@{k}", per_problem=lambda correct, extracted, k: float(correct[0]),
                          printed=True, compare="bench")

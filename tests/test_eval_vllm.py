@@ -15,7 +15,7 @@ from tiny_models import INSTRUCTION, PROBLEMS, build_tiny_model, write_problems
 from vllm_standin import SamplingParams, VLLMValidationError, make_vllm, scripted
 
 from stare.cli.main import app
-from stare.eval import harness
+from stare.eval import backends, protocols
 
 K = 3
 MAX_TOKENS = 12
@@ -111,10 +111,10 @@ def test_vllm_prompt_uses_the_chat_template_without_a_second_bos(model_dirs, mon
     texts = ["\\boxed{2}", "\\boxed{5}", "\\boxed{2} and so on"]
     module, calls = make_vllm(scripted(tok, lambda prompt, j: texts[j], eos=True))
     monkeypatch.setitem(sys.modules, "vllm", module)
-    backend = harness.make_backend("vllm", str(chat), tp=1, seed=0)
+    backend = backends.make_backend("vllm", str(chat), tp=1, seed=0)
     prompt = backend.prompt_text(problem["problem"], INSTRUCTION)
     assert prompt == expected
-    proto = harness.Protocol("stare", K, 1.0, 0.7, 6)
+    proto = protocols.Protocol("stare", K, 1.0, 0.7, 6)
     got = backend.generate(prompt, K, proto, seed=5)
     n = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     assert n[0] < 6 and n[1] < 6 and n[2] > 6
@@ -135,9 +135,9 @@ def test_default_backend(monkeypatch):
     module, _ = make_vllm(lambda child: iter(()))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", module)
-    assert harness.default_backend() == "vllm"
+    assert backends.default_backend() == "vllm"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert harness.default_backend() == "hf"  # importable but no GPU
+    assert backends.default_backend() == "hf"  # importable but no GPU
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
@@ -323,11 +323,11 @@ def test_no_two_samples_share_a_seed(small_model, small_tok, tmp_path, monkeypat
 
 def test_seed_blocks_of_different_runs_do_not_overlap():
     k, n = 8, 30
-    runs = {s: {harness.problem_seed(s, i, k) + j for i in range(n) for j in range(k)} for s in (0, 1, 2, 99)}
+    runs = {s: {protocols.problem_seed(s, i, k) + j for i in range(n) for j in range(k)} for s in (0, 1, 2, 99)}
     assert all(len(v) == n * k for v in runs.values())
     assert len(set().union(*runs.values())) == 4 * n * k
     with pytest.raises(ValueError):
-        harness.problem_seed(0, 2**32, 1)  # beyond one run's block
+        protocols.problem_seed(0, 2**32, 1)  # beyond one run's block
 
 
 def test_hf_backend_seeds_each_problem_with_its_first_sample_seed(small_model, tmp_path, monkeypatch):
@@ -403,10 +403,10 @@ def test_hf_context_length_rule():
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(max_position_embeddings=64)
-    assert harness.hf_context_length(cfg, SimpleNamespace(model_max_length=int(1e30))) == 64  # unset: ignored
-    assert harness.hf_context_length(cfg, SimpleNamespace(model_max_length=32)) == 32  # the smaller one
-    assert harness.hf_context_length(SimpleNamespace(), SimpleNamespace(model_max_length=100)) == 100
-    assert harness.hf_context_length(SimpleNamespace(), SimpleNamespace()) is None
+    assert backends.hf_context_length(cfg, SimpleNamespace(model_max_length=int(1e30))) == 64  # unset: ignored
+    assert backends.hf_context_length(cfg, SimpleNamespace(model_max_length=32)) == 32  # the smaller one
+    assert backends.hf_context_length(SimpleNamespace(), SimpleNamespace(model_max_length=100)) == 100
+    assert backends.hf_context_length(SimpleNamespace(), SimpleNamespace()) is None
 
 
 def test_hf_over_long_prompt_and_context_cut(small_model, small_tok, tmp_path):

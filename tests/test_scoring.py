@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from stare.eval import scoring
-from stare.eval.scoring import extract_boxed, is_correct, score_many, shutdown
+from stare.eval import verify_pool
+from stare.eval.extraction import extract_boxed
+from stare.eval.scoring import is_correct, score_many, shutdown
 
 # A power tower: sympy tries to evaluate 9**(9**(9**9)) and never returns in any useful time.
 HANGS = r"The answer is $\boxed{9^{9^{9^{9}}}}$."
@@ -142,7 +143,7 @@ def test_pool_killed_under_a_batch_reruns_its_answers(caplog):
         # once a worker holds an answer: a fixed sleep could land before the workers had started (a slow start),
         # or after the batch had ended, and then nothing was re-run
         deadline = time.monotonic() + 120
-        while worker.is_alive() and not any(w.answer is not None for w in list(scoring._all)):
+        while worker.is_alive() and not any(w.answer is not None for w in list(verify_pool._all)):
             assert time.monotonic() < deadline, "no scoring worker took an answer within 120 s"
             time.sleep(0.01)
         shutdown()
@@ -209,7 +210,8 @@ def test_check_many_says_why_an_answer_scored_false():
 
 def test_an_evaluation_of_only_empty_responses_says_so_in_one_line(tmp_path, caplog):
     from stare.eval.data import Problem
-    from stare.eval.harness import Protocol, run_eval
+    from stare.eval.harness import run_eval
+    from stare.eval.protocols import Protocol
     from stare.eval.scoring import warn_if_all_empty
 
     class Silent:  # a model that emits EOS at once

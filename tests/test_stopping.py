@@ -291,12 +291,12 @@ def test_a_child_dies_with_its_parent():
 
 SLOW_EVAL = """
 import sys, time
-from stare.eval import harness
-generate = harness.HFBackend.generate
+from stare.eval import backends
+generate = backends.HFBackend.generate
 def slow_generate(self, *args, **kwargs):
     time.sleep(0.7)
     return generate(self, *args, **kwargs)
-harness.HFBackend.generate = slow_generate
+backends.HFBackend.generate = slow_generate
 sys.argv = ["stare", *sys.argv[1:]]
 from stare.cli.main import main
 main()

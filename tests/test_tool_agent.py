@@ -428,7 +428,7 @@ class FakeVLLM:
 
 def test_tools_on_the_vllm_backend_interface(tokenizers):
     from stare.cli.agent.multiturn import ToolUseBackend
-    from stare.eval.harness import Protocol
+    from stare.eval.protocols import Protocol
 
     tok = tokenizers[0]
     llm = FakeVLLM(tok, [("```python\nprint(3 * 11)\n```\n```output", False), ("no clue", True),
@@ -467,7 +467,8 @@ class ScriptedToolBackend:
 
 def test_harness_scores_the_answer_turn_and_averages_turns(tmp_path):
     from stare.eval.data import Problem
-    from stare.eval.harness import Protocol, run_eval
+    from stare.eval.harness import run_eval
+    from stare.eval.protocols import Protocol
 
     problems = [Problem("a", "qa", "7")]
     proto = Protocol("stare", 2, 1.0, 0.7, 64)
@@ -498,7 +499,8 @@ def test_tools_on_vllm_context_full_ends_one_sample_and_seeds_are_distinct(token
     from vllm_standin import make_vllm, scripted
 
     from stare.cli.agent.multiturn import ToolUseBackend
-    from stare.eval.harness import Protocol, make_backend
+    from stare.eval.backends import make_backend
+    from stare.eval.protocols import Protocol
 
     tok = tokenizers[0]
     folder = tmp_path / "m"
@@ -529,14 +531,14 @@ def test_tools_on_vllm_context_full_ends_one_sample_and_seeds_are_distinct(token
     seeds = [c["seed"] for c in calls["samples"]]
     assert seeds == [base, base + 1]
     # a prompt that does not fit raises PromptTooLong (the harness records the problem as not attempted)
-    from stare.eval.harness import PromptTooLong
+    from stare.eval.backends import PromptTooLong
 
     with pytest.raises(PromptTooLong):
         backend.generate("x " * context, 2, Protocol("stare", 2, 1.0, 0.7, 40), seed=base)
 
 
 def test_tool_turn_seeds_are_distinct_across_a_run():
-    from stare.eval.harness import problem_seed, turn_seed
+    from stare.eval.protocols import problem_seed, turn_seed
 
     k, n, turns = 4, 30, 6
     seeds = [turn_seed(problem_seed(3, i, k) + j, r) for i in range(n) for j in range(k) for r in range(turns)]
@@ -549,7 +551,7 @@ def test_tool_output_never_overshoots_the_token_budget(tokenizers):
     left is cut to it and the sample ends as truncated (token_budget); found on the real engine (a 128-token
     budget once ended with 116 + 43 tokens)."""
     from stare.cli.agent.multiturn import ToolUseBackend
-    from stare.eval.harness import Protocol
+    from stare.eval.protocols import Protocol
 
     tok = tokenizers[0]
     action = "```python\nprint('x ' * 300)\n```\n```output"

@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 from stare.eval.data import answer_str, repair_escapes
-from stare.eval.harness import BOXED_INSTRUCTION
+from stare.eval.protocols import BOXED_INSTRUCTION
 from stare.eval.metrics import problem_metrics
-from stare.eval.scoring import extract_boxed, score_many
+from stare.eval.extraction import extract_boxed
+from stare.eval.scoring import score_many
 
 def _field(row: dict, name: str):
     """``row[name]``, matching the field name case-insensitively (Maxwell-Jia/AIME_2024 has Problem, Answer, ID)."""

@@ -115,7 +115,7 @@ class Action:
 
 def parse_action(text: str) -> Action:
     """What a model turn asks for: run its last closed python block, or give its final boxed answer."""
-    from stare.eval.scoring import BOX_COMMAND, extract_boxed
+    from stare.eval.extraction import BOX_COMMAND, extract_boxed
 
     blocks = list(_CODE_BLOCK.finditer(text))
     last_code = blocks[-1] if blocks else None

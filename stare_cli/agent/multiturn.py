@@ -23,14 +23,15 @@ The sandbox's isolation is resolved when the backend is made (``ToolConfig.isola
 ``SandboxError``, one line, where this machine has none).
 
 Seeds: turn 0 of sample j draws from the harness's sample seed ``seed + j``, later turns from
-``stare.eval.harness.turn_seed`` (never a sample seed); the HF backend seeds a round's batch with
+``stare.eval.protocols.turn_seed`` (never a sample seed); the HF backend seeds a round's batch with
 ``turn_seed(seed, round)``.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from stare.eval.harness import PromptTooLong, is_greedy, turn_seed
+from stare.eval.backends import PromptTooLong
+from stare.eval.protocols import is_greedy, turn_seed
 
 from .loop import TOOL_INSTRUCTION, ToolConfig, ToolEpisode, format_for, turn_is_complete
 

@@ -16,7 +16,8 @@ import logging
 import os
 import torch
 
-from stare.eval.scoring import ScoringError, check_many, extract_boxed
+from stare.eval.extraction import extract_boxed
+from stare.eval.scoring import ScoringError, check_many
 
 logger = logging.getLogger("stare.reward")
 TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
