@@ -230,10 +230,10 @@ def test_one_summary_builder_numbers_by_hand(tmp_path):
     assert md[-3:] == ["| a | 1 | 0.250 |", "| b | 2 | 1.000 |", "| c | 3 | 0.000 |"]
 
 
-def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path):
+def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path, monkeypatch):
     """stare.eval.metrics.METRICS is the one definition: a row added there (here a per-problem "first@k", shown in
-    the comparison) is computed by both harnesses, written to summary.json and summary.md, printed on the CLI line
-    and given comparison columns, with no other change."""
+    the comparison) is computed by both harnesses and the local engine's held-out evaluation, written to summary.json
+    and summary.md, printed on the CLI line and given comparison columns, with no other change."""
     import json
 
     from stare.cli.report.tables import write_comparison
@@ -258,6 +258,8 @@ def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path):
         assert "| first@2 | 0.5000 | |" in (tmp_path / "summary.md").read_text()
         assert scores_line(summary).endswith("maj@2 0.5000  first@2 0.5000")
         assert utils.process_results({"answer": "5"}, [["\\boxed{4}", "\\boxed{5}"]])["first_at_k"] == 0.0
+        local = scripted_local_eval(monkeypatch, lambda p: ["nope", p.answer], lambda p: p.answer)
+        assert local["first_at_k"] == 0.0 and local["avg_at_k"] == 0.5  # the local engine's eval.json too
         write_comparison(tmp_path / "cmp", [], evals=[summary])
         md = (tmp_path / "cmp" / "comparison.md").read_text()
         assert "| aime25 avg@k | aime25 pass@k | aime25 first@k | reflection /1k tok |" in md
@@ -268,3 +270,55 @@ def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path):
                                        "aime25_first_at_k_std", "aime25_k"]
     finally:
         metrics.METRICS.remove(row)
+
+
+def scripted_local_eval(monkeypatch, samples, greedy, n_problems: int = 4):
+    """The local engine's held-out evaluation (``stare.cli.local.evaluate.evaluate_policy``) on arith problems with
+    scripted responses: ``samples(problem)`` -> its k sampled texts, ``greedy(problem)`` -> its greedy text."""
+    import torch
+
+    from stare.cli.local import evaluate
+    from stare.cli.local.tasks import ArithTask
+
+    task = ArithTask()
+    problems = task.problems(n_problems, seed=0, split="test")
+    k = len(samples(problems[0]))
+
+    def scripted(model, tokenizer, ids, attn, *, greedy=False, repeats=1, **_):
+        batch = [problems[int(i)] for i in ids[:, 0]]
+        texts = [greedy_text(p) for p in batch] if greedy else [t for p in batch for t in samples(p)]
+        assert greedy or repeats == k
+        return type("Rollout", (), {"texts": texts})
+
+    greedy_text = greedy
+    monkeypatch.setattr(evaluate, "encode_prompts", lambda tok, prompts, chat, device: (
+        torch.tensor([[i] for i in range(len(prompts))]), torch.ones(len(prompts), 1)))
+    monkeypatch.setattr(evaluate, "sample", scripted)
+    return evaluate.evaluate_policy(torch.nn.Linear(1, 1), None, task, n_problems=n_problems, k=k, seed=0,
+                                    max_new_tokens=4, batch_prompts=n_problems)
+
+
+def test_the_local_engines_held_out_numbers_by_hand(monkeypatch):
+    """eval.json's avg@k, pass@k, maj@k and greedy accuracy, from scripted responses to four arith problems,
+    against counts by hand. maj@k votes over the answers the task reads (the last number of the first line; a
+    response without one gives no answer); a tie goes to the answer seen first."""
+    from stare.cli.local.tasks import ArithTask
+
+    problems = ArithTask().problems(4, seed=0, split="test")
+    a = [p.answer for p in problems]
+    assert "97" not in a and "98" not in a and "99" not in a
+    script = {a[0]: [f"3 + 4 = {a[0]}", "99", a[0], " 99"],  # 2 of 4 right; a tie, the right answer first
+              a[1]: ["98", "98", a[1], "no number"],  # 1 of 4; majority 98, wrong
+              a[2]: ["", " ", "none", "-"],  # no answer at all: the vote is wrong
+              a[3]: ["97", a[3], "", "x"]}  # 1 of 4; a tie, 97 first: wrong
+    assert len(set(a)) == 4
+    greedy = {a[0]: a[0], a[1]: "x", a[2]: f"{a[2]}\n1", a[3]: f"= {a[3]}."}
+    out = scripted_local_eval(monkeypatch, lambda p: script[p.answer], lambda p: greedy[p.answer])
+    assert out["k"] == 4 and out["n_problems"] == 4
+    assert out["avg_at_k"] == pytest.approx((2 + 1 + 0 + 1) / 16)
+    assert out["pass_at_k"] == pytest.approx(3 / 4)  # k of 4 samples: a problem passes when any one is right
+    assert out["maj_at_k"] == pytest.approx(1 / 4)
+    assert out["greedy_accuracy"] == pytest.approx(3 / 4)
+    assert out["avg_at_4"] == out["avg_at_k"] and out["pass_at_4"] == out["pass_at_k"]  # the deprecated names
+    two = scripted_local_eval(monkeypatch, lambda p: script[p.answer][:2], lambda p: greedy[p.answer])
+    assert (two["k"], two["avg_at_k"], two["pass_at_k"], two["maj_at_k"]) == (2, 2 / 8, 2 / 4, 1 / 4)  # first two

@@ -59,8 +59,13 @@ class Task:
                 out.append(p)
         return out
 
+    def extract(self, response: str) -> str | None:
+        """The answer a response gives, as ``reward`` reads it (None: no answer, a blank response); maj@k votes over
+        these."""
+        return response.strip() or None
+
     def reward(self, problem: Problem, response: str) -> float:
-        return float(response.strip() == problem.answer)
+        return float(self.extract(response) == problem.answer)
 
     def demonstration(self, problem: Problem, rng: random.Random, noise: float) -> str:
         """A noisy demonstration for the warm start: with probability ``noise`` one character is wrong."""
@@ -110,10 +115,10 @@ class ArithTask(Task):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         return Problem(f"What is {a} + {b}? Answer with the number only.", str(a + b))
 
-    def reward(self, problem, response):
+    def extract(self, response):
         # the model tends to restate the sum ("7 + 8 = 15"): the answer is the last number on the first line
         numbers = re.findall(r"-?\d+", response.strip().split("\n")[0])
-        return float(bool(numbers) and numbers[-1] == problem.answer)
+        return numbers[-1] if numbers else None
 
 
 TASKS = {"reverse": ReverseTask, "explore": ExploreTask, "arith": ArithTask}
