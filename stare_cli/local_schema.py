@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from stare.algorithms.settings import Setting, schema
 
+from .local import tasks as _tasks
+
 DEVICES = ("auto", "cpu", "cuda")  # local/device.py resolves them; the names live here (no torch import)
-TASKS = ("reverse", "explore", "arith")  # local/tasks.py TASKS (a test keeps the two equal)
+TASKS = tuple(_tasks.TASKS)  # the local engine's tasks, by name (plain Python, no torch)
 MODELS = ("tiny", "smollm2-135m")  # local/models.py initial_policy
 TINY_HEADS = 4  # local/policy.py build_tiny_model: attention heads of the tiny model (hidden must divide by it)
 MAX_SEED = 2**32 - 1

@@ -39,9 +39,15 @@ def test_every_shipped_local_preset_fits_the_schema():
 def test_the_schema_names_what_the_engine_accepts():
     from stare.cli.local import device, tasks
 
-    assert local_schema.TASKS == tuple(tasks.TASKS)
-    assert local_schema.DEVICES == device.DEVICES
-    assert local_schema.SCHEMA["task"].choices == tuple(tasks.TASKS)
+    import torch
+
+    for name in SCHEMA["device"].choices:  # each choice is one the engine resolves (cuda: here, or refused)
+        if name == "cuda" and not torch.cuda.is_available():
+            with pytest.raises(device.DeviceError, match="no GPU is visible"):
+                device.engine_device({"device": name})
+        else:
+            assert device.engine_device({"device": name}).type in ("cpu", "cuda")
+    assert all(tasks.get_task(name).name == name for name in SCHEMA["task"].choices)  # each choice builds its task
     assert settings_doc.LOCAL_RUN_SETTING_HELP == {s.name: s.help for s in LOCAL_SETTINGS}
     assert all(s.help and s.valid() for s in LOCAL_SETTINGS)
     assert all(s.problem(s.default) is None for s in LOCAL_SETTINGS)  # every default is valid

@@ -9,12 +9,28 @@ including its end-of-sequence token; everything after is padding (mask 0).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# transformers imports DeepSpeed (through accelerate) when it is installed, and DeepSpeed's accelerator
+# auto-detection warns "Setting accelerator to CPU" in every process on a machine without a GPU. Naming the
+# accelerator it would pick anyway, before transformers is first imported (here: every local module that uses
+# transformers goes through this one), keeps that one warning quiet; the local engine never uses DeepSpeed, and a
+# GPU machine or a user's own DS_ACCELERATOR is left alone.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 SEPARATOR = ">"
