@@ -1,81 +1,138 @@
-"""Named algorithms: what a user types after ``--algo``, mapped to a full set of settings.
+"""The algorithm settings (``AlgoConfig``, each field a setting with its valid values and meaning) and the named
+algorithms: what a user types after ``--algo``, mapped to a full set of settings.
 
 Every setting can be overridden (``get_algorithm("stare", w=1.5)``); ``AlgoConfig.validate`` checks the
-result against the settings' table (``settings.ALGO_SETTINGS``) and the rules between settings. Engines read an
-``AlgoConfig`` and nothing else about the algorithm; ``AlgoConfig.rule`` is its token rule (``token_rules.py``).
+result against the settings' table (``ALGO_SETTINGS``, read off the fields) and the rules between settings.
+Engines read an ``AlgoConfig`` and nothing else about the algorithm; ``AlgoConfig.rule`` is its token rule
+(``token_rules.py``).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
 # no torch import on this path (stare algos / presets stay fast): the choices' names live in _plain
-from ._plain import check_range
+from ._plain import (
+    AGGREGATIONS,
+    CONTROLLERS,
+    KERNELS,
+    MASK_DENOMINATORS,
+    SCOPES,
+    SELECTIONS,
+    TELEMETRY,
+    VARIANTS,
+    check_range,
+)
 from .controllers import BandGate, PaperGate
-from .settings import ALGO_SCHEMA, ALGO_SETTINGS
+from .settings import Setting, schema, setting, settings_of
 
 # The token rules of the entropy baselines, computed once per step over the whole batch (token_rules.py, the
 # registry: none, clip-cov, kl-cov, 80-20 and any registered with register_token_rule); AlgoConfig.rule is the one a
 # config names.
-from .token_rules import RULES, TokenRule, get_token_rule
+from .token_rules import RULES, TOKEN_RULES, TokenRule, get_token_rule
+
+_STARE_ONLY = "with stare: "  # the valid values of a setting that only STARE's controller checks
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """One algorithm's settings. Each field but name and description has its row in ``settings.ALGO_SETTINGS``
-    (same order, type and default; a test keeps them equal): its valid values and meaning are there."""
+    """One algorithm's settings. Each field but name and description is a setting, defined once, here:
+    ``setting(default, meaning, valid values)`` (``settings.setting``), its type the field's (``X | None``: null is
+    valid too). ``ALGO_SETTINGS`` (below) reads the rows off the fields, for ``validate``, ``--set``,
+    ``stare algos --settings`` and docs/settings.md. A default is what an AlgoConfig that leaves the setting out
+    gets; each named algorithm sets its own (``ALGORITHMS``)."""
     name: str
     description: str = ""
     # advantages and loss
-    std_norm: bool = True
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    agg: str = "token-mean"
+    std_norm: bool = setting(True, "divide group advantages by the group's reward std (false: Dr.GRPO's unnormalised "
+                             "advantages)")
+    clip_low: float = setting(0.2, "PPO clip below: the ratio may fall to 1 - clip_low", low=0, high=1)
+    clip_high: float = setting(0.2, "PPO clip above: the ratio may rise to 1 + clip_high (DAPO's clip-higher: 0.28)",
+                               low=0)
+    dual_clip: float | None = setting(None, "dual clip: an A < 0 token's loss is capped at dual_clip x |A| (null: "
+                                      "off)", low=1, low_open=True)
+    agg: str = setting("token-mean", "how token losses become one loss", choices=AGGREGATIONS, label="aggregation")
     # DAPO reward-side settings
-    dynamic_sampling: bool = False
-    max_gen_rounds: int = 10
-    overlong_shaping: bool = False
-    overlong_buffer_len: int = 4096
-    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = setting(False, "drop prompts whose samples all got the same reward and sample more "
+                                     "(DAPO)")
+    max_gen_rounds: int = setting(10, "dynamic sampling: generation rounds per step before training on what there is",
+                                  low=1)
+    overlong_shaping: bool = setting(False, "penalise responses that reach the last overlong_buffer_len tokens of "
+                                     "the limit (DAPO)")
+    overlong_buffer_len: int = setting(4096, "overlong shaping: length of the penalised zone before the response "
+                                       "limit, in tokens", low=0,
+                                       valid_text="integer >= 0, at most the response limit")
+    overlong_penalty: float = setting(1.0, "overlong shaping: the penalty at the limit (it grows linearly across the "
+                                      "zone)", low=0)
     # STARE (ignored unless stare is True)
-    stare: bool = False
-    selection: str = "quantile"
-    variant: str = "O1"
-    top_ratio: float = 0.1
-    w: float = 1.1
-    m: float = 0.9
-    damp: float = 1.0
-    phi_cap: float | None = None
-    phi_tol: float = 0.0
-    scope: str = "global"
-    controller: str = "paper"
-    target_entropy: float = 0.3
-    adaptive: bool = False
-    alpha: float = 0.01
-    w_max: float = 1.5
-    m_min: float = 0.5
-    band_low: float = 0.3
-    band_high: float = 0.45
-    band_target: float | None = None
-    gain: float = 1.0
-    two_sided: bool = False
+    stare: bool = setting(False, "reweight selected tokens' advantages (STARE); false: a plain baseline")
+    selection: str = setting("quantile", "which tokens STARE reweights: quantile (top share by surprisal, the paper) "
+                             "or phi (sign of the entropy sensitivity)", choices=SELECTIONS)
+    variant: str = setting("O1", "O1: weight W on selected A > 0 tokens only; C2: also weight M on selected A < 0 "
+                           "tokens", choices=VARIANTS)
+    top_ratio: float = setting(0.1, "share of the A > 0 (and A < 0) tokens selected by surprisal, the paper's P",
+                               low=0, high=1)
+    w: float = setting(1.1, "weight on the selected A > 0 tokens (raises entropy), the paper's W",
+                       valid_text=_STARE_ONLY + "number > 0 (adaptive paper gate: in [1, w_max]; band gate: >= 1)")
+    m: float = setting(0.9, "weight on the selected A < 0 tokens (C2), the paper's M",
+                       valid_text=_STARE_ONLY + "number > 0 (adaptive paper gate: in [m_min, 1]; band gate: "
+                                                "in (0, 1])")
+    damp: float = setting(1.0, "phi selection: weight on the entropy-lowering A > 0 tokens (1: untouched)", low=0,
+                          low_open=True, valid_text="number > 0 (band gate: in (0, 1])")
+    phi_cap: float | None = setting(None, "phi selection: keep only this top share by Phi (null: every token with "
+                                    "the right sign)", low=0, high=1)
+    phi_tol: float = setting(0.0, "phi selection: within this share of the step's mean |A Phi| of zero, a token's "
+                             "weight moves linearly between the two the sign of Phi picks from (0: the sign decides "
+                             "alone)", low=0)
+    scope: str = setting("global", "where the selection is made: global (the step's whole batch) or micro_batch (the "
+                         "reference's rule)", choices=SCOPES)
+    controller: str = setting("paper", "the entropy gate: paper (on while entropy < target_entropy) or band "
+                              "(proportional, band_low..band_high)", choices=CONTROLLERS)
+    target_entropy: float = setting(0.3, "paper gate: reweighting is on while the batch entropy is below this",
+                                    valid_text=_STARE_ONLY + "number > 0")
+    adaptive: bool = setting(False, "paper gate: move W and M by alpha each step towards the target (within w_max, "
+                             "m_min)")
+    alpha: float = setting(0.01, "adaptive paper gate: step size of W and M per RL step",
+                           valid_text=_STARE_ONLY + "number >= 0")
+    w_max: float = setting(1.5, "adaptive paper gate: the largest W", valid_text=_STARE_ONLY + "number >= 1")
+    m_min: float = setting(0.5, "adaptive paper gate: the smallest M", valid_text=_STARE_ONLY + "number in (0, 1]")
+    band_low: float = setting(0.3, "band gate: full strength when the batch entropy is at or below this",
+                              valid_text=_STARE_ONLY + "number > 0, at most band_high")
+    band_high: float = setting(0.45, "band gate: top of the band; above it the gate is off (or pushes down with "
+                               "two_sided)", valid_text=_STARE_ONLY + "number > 0")
+    band_target: float | None = setting(None, "band gate: strength starts below this (null: band_high)",
+                                        valid_text=_STARE_ONLY + "number in [band_low, band_high], or null")
+    gain: float = setting(1.0, "band gate: strength per unit of shortfall (1: full strength exactly at band_low)",
+                          valid_text=_STARE_ONLY + "number > 0")
+    two_sided: bool = setting(False, "band gate: above band_high, push entropy down (mirrored selection)")
     # every algorithm
-    telemetry: str = "full"
-    stats_kernel: str = "auto"
+    telemetry: str = setting("full", "what each step logs: full (entropy, shares, Phi forecasts), entropy (batch "
+                             "entropy only) or off", choices=TELEMETRY)
+    stats_kernel: str = setting("auto", "kernel for the per-token entropy and Phi: auto (fused Triton on CUDA, eager "
+                                "torch elsewhere), torch, triton, compiled (torch.compile fuses them on any device; "
+                                "a compilation per process) or cpp (a C++ loop for the CPU, about 3.5x torch there; "
+                                "built once per machine with its C++ compiler)", choices=KERNELS)
     # the entropy baselines' token rule (token_rules.py) and the settings the rules read (80-20 reuses top_ratio)
-    token_rule: str = "none"
-    clip_ratio: float = 2e-4
-    cov_low: float = 1.0
-    cov_high: float = 5.0
-    k_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
-    mask_denominator: str = "all"
+    token_rule: str = setting("none", "an entropy baseline's token rule, once per step over the whole batch (none: "
+                              "no rule); " + "; ".join(f"{r.name} reads {', '.join(r.settings)}"
+                                                       for r in RULES.values() if r.active), choices=TOKEN_RULES)
+    clip_ratio: float = setting(2e-4, "clip-cov: share of the response tokens whose gradient is dropped (random "
+                                "among the candidates)", low=0, high=1, low_open=True)
+    cov_low: float = setting(1.0, "clip-cov: candidates have a log-prob/advantage covariance above this")
+    cov_high: float = setting(5.0, "clip-cov: candidates have a log-prob/advantage covariance below this",
+                              valid_text="number > cov_low")
+    k_ratio: float = setting(2e-3, "kl-cov: share of the response tokens, the top ones by covariance, that get the "
+                             "|log-ratio| penalty", low=0, high=1, low_open=True)
+    kl_cov_coef: float = setting(1.0, "kl-cov: coefficient of the |log p - log p_old| penalty (the surrogate is "
+                                 "unclipped)", low=0)
+    mask_denominator: str = setting("all", "80-20: the loss divided by the selected tokens (selected, the 80/20 "
+                                    "paper's code) or by every response token (all, TRL's choice)",
+                                    choices=MASK_DENOMINATORS)
 
     def validate(self) -> "AlgoConfig":
-        """Every setting against its row of ``settings.ALGO_SETTINGS`` (type, range, choices), then the rules between
+        """Every setting against its row of ``ALGO_SETTINGS`` (type, range, choices), then the rules between
         settings; returns self, or raises ValueError naming the setting, the value and what is valid."""
-        for setting in ALGO_SETTINGS:
-            setting.require(getattr(self, setting.name))
+        for row in ALGO_SETTINGS:
+            row.require(getattr(self, row.name))
         rule = self.rule
         for other in RULES.values():  # a rule's own settings keep their default under any other rule
             for key in other.exclusive:
@@ -111,9 +168,9 @@ class AlgoConfig:
         """The STARE settings these settings make inert, each with why: every one of them for a baseline (but those
         its token rule reads), the other controller's (damp is the band gate's: the paper gate never damps), the
         adaptive gate's without ``adaptive``, M under O1, the Phi selection's under the quantile one. Changing one
-        changes no weight and no logged number but its own echo (``stare/m``) (a test runs ``stare_step`` both ways); ``stare run --sweep``
-        refuses to sweep one. A setting not listed may still be inert in some states (W while the gate is
-        closed): this lists what the settings alone decide."""
+        changes no weight and no logged number but its own echo (``stare/m``) (a test runs ``stare_step`` both
+        ways); ``stare run --sweep`` refuses to sweep one. A setting not listed may still be inert in some states
+        (W while the gate is closed): this lists what the settings alone decide."""
         if not self.stare:  # but what its token rule reads (80-20's top_ratio)
             why = f"only STARE algorithms use it (stare is off for {self.name})"
             return {name: why for name in _STARE_SETTINGS if name not in self.rule.settings}
@@ -156,6 +213,8 @@ class AlgoConfig:
         return asdict(self)
 
 
+ALGO_SETTINGS: tuple[Setting, ...] = settings_of(AlgoConfig)  # THE algorithm settings, in the fields' order
+ALGO_SCHEMA: dict[str, Setting] = schema(ALGO_SETTINGS)
 SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
 # what AlgoConfig.unused_settings names: the "# STARE" block of AlgoConfig (all of it for a baseline), each gate's own
 _STARE_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.index("telemetry")]

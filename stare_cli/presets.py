@@ -31,7 +31,8 @@ from pathlib import Path
 import yaml
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES, get_algorithm
-from stare.algorithms.settings import ALGO_SCHEMA, Setting
+from stare.algorithms.registry import ALGO_SCHEMA
+from stare.algorithms.settings import Setting
 from stare.eval.jsonl import decode_utf8
 
 from .gpu_schema import SCHEMA as GPU_SCHEMA

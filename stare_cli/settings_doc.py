@@ -1,7 +1,7 @@
 """What every ``--set`` key means, and its defaults: ``stare algos --settings`` and the generated docs tables.
 
 Three tables of ``Setting`` rows (name, type, default, valid values, meaning), one per scope: the algorithm
-settings (``stare.algorithms.settings.ALGO_SETTINGS``, one default per algorithm), the local presets' run settings
+settings (``stare.algorithms.registry.ALGO_SETTINGS``, read off ``AlgoConfig``'s fields; one default per algorithm), the local presets' run settings
 (``local_schema.LOCAL_SETTINGS``) and the GPU presets' (``gpu_schema.GPU_SETTINGS``), one default per preset.
 ``--set key=value`` accepts all of them; this module renders them for the terminal and as docs/settings.md and
 docs/local-settings.md (tests keep the files equal to what it renders).
@@ -13,7 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from stare.algorithms import ALGORITHMS
-from stare.algorithms.settings import ALGO_SETTINGS, Setting
+from stare.algorithms.registry import ALGO_SETTINGS
+from stare.algorithms.settings import Setting
 
 from .gpu_schema import GPU_SETTINGS
 from .local_schema import LOCAL_SETTINGS
@@ -136,8 +137,8 @@ def settings_markdown() -> str:
             "below (`stare train`, `stare run`); a value outside its row is one line naming the setting, the value "
             "and what is valid, and nothing is written.\n\n"
             "## Algorithm settings\n\n"
-            "`algorithms/settings.py` (`ALGO_SETTINGS`), one row per field of `AlgoConfig`, checked by "
-            "`AlgoConfig.validate` with the rules between settings. The default is each algorithm's "
+            "The fields of `AlgoConfig` (`algorithms/registry.py`), each declared with its meaning and valid values "
+            "(`ALGO_SETTINGS` reads them off), checked by `AlgoConfig.validate` with the rules between settings. The default is each algorithm's "
             f"({names}): the common value, then the algorithms that differ.\n\n"
             + markdown_table(ALGO_SETTINGS, _algo_defaults)
             + "\n## Run settings of the local presets\n\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES, AlgoConfig, get_algorithm
-from stare.algorithms.settings import ALGO_SCHEMA, ALGO_SETTINGS
+from stare.algorithms.registry import ALGO_SCHEMA, ALGO_SETTINGS
 from stare.cli import settings_doc
 from stare.cli.gpu_schema import GPU_SETTINGS
 from stare.cli.local_schema import LOCAL_SETTINGS
@@ -18,19 +18,25 @@ from stare.cli.presets import PresetError, resolve
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_algo_config_field_has_exactly_one_row_with_its_type_and_default():
-    names = [s.name for s in ALGO_SETTINGS]
-    assert len(names) == len(set(names)), "a setting has two rows"
-    assert tuple(names) == SETTING_NAMES, "the rows follow AlgoConfig's fields, one each, in their order"
+def test_every_algo_config_field_is_a_setting_with_its_type_and_a_valid_default():
+    """AlgoConfig's fields are the algorithm settings (settings.setting on each): a field declared without it would
+    escape validation, --set and the docs. The row's type is the annotation's, null valid exactly where the
+    annotation admits None."""
     hints = typing.get_type_hints(AlgoConfig)
+    plain = [f.name for f in fields(AlgoConfig) if "setting" not in f.metadata]
+    assert plain == ["name", "description"], f"declare {plain[2:]} with setting(...)"
+    assert tuple(s.name for s in ALGO_SETTINGS) == SETTING_NAMES
     for f in fields(AlgoConfig):
         if f.name in ("name", "description"):
             continue
         row = ALGO_SCHEMA[f.name]
-        assert hints[f.name] == (row.type | None if row.nullable else row.type), f.name
+        nullable = type(None) in typing.get_args(hints[f.name])
+        assert row.nullable is nullable and (row.type | None if nullable else row.type) == hints[f.name], f.name
         assert row.default == f.default and type(row.default) is type(f.default), f.name
         row.require(row.default)  # the default is valid
         assert row.help and "\n" not in row.help, f.name
+    assert ALGO_SCHEMA["dual_clip"].nullable and ALGO_SCHEMA["dual_clip"].problem(None) is None
+    assert not ALGO_SCHEMA["w"].nullable and ALGO_SCHEMA["w"].problem(None)  # a number setting refuses null
 
 
 @pytest.mark.parametrize("rows", [LOCAL_SETTINGS, GPU_SETTINGS], ids=["local", "gpu"])
