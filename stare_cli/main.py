@@ -372,10 +372,11 @@ def eval_(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Run the engines on this Ray cluster "
                                                                           "(HOST:PORT, ray://HOST:PORT or auto). "
                                                                           "Default: a local Ray when --engines > 1."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL/parquet with problem and "
-                                                                      "answer fields, or 'hub' for the Hugging Face "
-                                                                      "hub (default: $STARE_DATA_DIR, else the copy "
-                                                                      "shipped for aime24/aime25, else the hub)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL, JSON or parquet with problem "
+                                                                      "and answer fields, or 'hub' for the Hugging "
+                                                                      "Face hub (default: $STARE_DATA_DIR, else the "
+                                                                      "copy shipped for aime24/aime25, else the "
+                                                                      "hub)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (sample j of problem i: (seed mod 2**31) * 2**32 + "
                                                "i * k + j)."),
