@@ -11,6 +11,10 @@ step (``stare_step`` calls it), exact across data-parallel ranks when given a to
   the loss adds ``c |logp - old_logp|`` per token to the unclipped surrogate (``policy_loss(penalty=, clip=False)``).
 - ``entropy_top_weights`` (80/20): 1 on the top ``ceil(top_ratio N)`` tokens by the old policy's entropy, 0 on the
   other response tokens, so the policy gradient flows through the high-entropy minority only.
+- ``entropy_advantage_weights`` (entropy-adv, Cheng et al. 2025): each token's advantage becomes
+  ``A + min(alpha H, |A| / kappa)``, H the old policy's entropy there (no gradient through it), as the weight
+  ``(A + psi) / A = 1 + sign(A) min(alpha H / |A|, 1 / kappa)`` on its loss; ``kappa > 1`` keeps every sign, and an
+  ``A = 0`` token stays 0 (weight 1). A per-token function: the step's other tokens do not enter.
 
 N is the number of response tokens of the whole step (all ranks). Where the public implementation (verl's
 ``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``) differs, it is in scope and timing: verl
@@ -214,3 +218,36 @@ def entropy_top_weights(entropy: torch.Tensor, mask: torch.Tensor, *, top_ratio:
     kept = int(_all_reduce((valid & ~dropped).sum().to(torch.int64), group))  # S >= k (ties at the threshold)
     keep = torch.where(valid, n / kept, 1.0).to(torch.float32)
     return torch.where(dropped, 0.0, keep)
+
+
+def entropy_advantage_weights(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, *,
+                              alpha: float = 0.4, kappa: float = 2.0) -> torch.Tensor:
+    """entropy-adv's token weights, ``[B, T]`` float32: ``1 + sign(A) min(alpha H / |A|, 1 / kappa)`` on the
+    response tokens with A != 0, 1 elsewhere, so that ``weight * A = A + min(alpha H, |A| / kappa)``.
+
+    ``advantages``: ``[B, T]`` or per-sequence ``[B]``; ``entropy``: ``[B, T]``, the old policy's per-position
+    entropy (detached); ``alpha > 0``, ``kappa > 1``.
+    """
+    _check_tokens("entropy", entropy, mask)
+    check_range("alpha", alpha, 0, None, low_open=True)
+    check_range("kappa", kappa, 1, None, low_open=True)
+    adv = broadcast_advantages(advantages, entropy).to(torch.float32)
+    valid = mask.bool() & (adv != 0)
+    check_finite(mask.bool(), entropy=entropy, advantages=adv)
+    h = entropy.detach().to(torch.float32)
+    size = adv.abs()
+    term = torch.minimum(alpha * h / torch.where(valid, size, 1.0), torch.full_like(size, 1.0 / kappa))
+    return torch.where(valid, 1.0 + torch.sign(adv) * term, 1.0).to(torch.float32)
+
+
+def entropy_advantage_sums(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, *,
+                           alpha: float = 0.4, kappa: float = 2.0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """entropy-adv's telemetry as (numerator, denominator) pairs over this rank's tokens: ``shaped_share`` (of the
+    response tokens with A != 0, those whose advantage the term changed: H > 0) and ``shaping_clipped_share`` (of
+    those, the ones held at the bound |A| / kappa)."""
+    adv = broadcast_advantages(advantages, entropy).to(torch.float32)
+    nonzero = mask.bool() & (adv != 0)
+    h = entropy.detach().to(torch.float32)
+    shaped = nonzero & (h > 0)
+    clipped = shaped & (alpha * h >= adv.abs() / kappa)
+    return {"shaped_share": (shaped.sum(), nonzero.sum()), "shaping_clipped_share": (clipped.sum(), shaped.sum())}

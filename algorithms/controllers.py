@@ -13,6 +13,11 @@ entropy can settle just below ``low``; docs/algorithm.md.) Strength s scales how
 W_eff = 1 + s (W - 1), M_eff = 1 - s (1 - M), damp_eff = 1 - s (1 - damp).
 
 Both keep their state in ``state_dict()`` so a resumed run takes the same decisions.
+
+``EntropyCoef`` is not a gate but the coefficient of an entropy bonus in the loss (``loss.entropy_bonus_loss``):
+fixed, or adapted each step as Skywork-OR1's adaptive entropy control does (and TRL's ``use_adaptive_entropy``):
+raised by ``delta`` when the batch entropy is at or below the target, lowered by ``delta`` above it, held within
+[``coef_min``, ``coef_max``], and applied only while the entropy is at or below the target.
 """
 from __future__ import annotations
 
@@ -175,3 +180,58 @@ class BandGate:
             raise ValueError(f"state is for controller kind {state.get('kind')!r}, not 'band'")
         self.steps = int(state["steps"])
         self.last = None if state["last"] is None else ControllerState(**state["last"])
+
+
+class EntropyCoef:
+    """The entropy bonus's coefficient, once per step: ``coef`` every step, or (``adaptive``) Skywork-OR1's rule.
+
+    Adaptive, for the step's batch entropy h (the old policy's, measured before the update)::
+
+        c <- min(c + delta, coef_max)   if h <= target
+        c <- max(c - delta, coef_min)   otherwise
+        applied = c if h <= target else 0
+
+    TRL's ``GRPOTrainer`` runs the same update on the entropy it measures during the update, so it applies the
+    coefficient one step later: its step k + 1 applies what this applies at step k (tests/test_controllers.py
+    checks the sequences against TRL's update on the same entropy trace). ``coef`` is the value before the first
+    step (TRL's ``entropy_coef``).
+    """
+
+    def __init__(self, coef: float = 0.0, *, adaptive: bool = False, target: float = 0.2, delta: float = 0.005,
+                 coef_min: float = 0.0, coef_max: float = 1.0):
+        check_range("entropy_coef", coef, 0, None)
+        check_range("entropy_target", target, 0, None, low_open=True)
+        check_range("entropy_coef_delta", delta, 0, None)
+        check_range("entropy_coef_min", coef_min, 0, None)
+        if coef_max < coef_min:
+            raise ValueError(f"entropy_coef_max must be >= entropy_coef_min, got {coef_max!r} < {coef_min!r}")
+        if adaptive:
+            check_range("entropy_coef", coef, coef_min, coef_max)
+        self.coef, self.adaptive, self.target, self.delta = coef, adaptive, target, delta
+        self.coef_min, self.coef_max = coef_min, coef_max
+        self.steps = 0
+        self.applied: float | None = None  # the last step's coefficient
+
+    def update(self, batch_entropy) -> float:
+        """The coefficient to apply this step, given the step's batch entropy."""
+        h = _check_entropy(batch_entropy)
+        if self.adaptive:
+            below = h <= self.target
+            if below:
+                self.coef = min(self.coef + self.delta, self.coef_max)
+            else:
+                self.coef = max(self.coef - self.delta, self.coef_min)
+            self.applied = self.coef if below else 0.0
+        else:
+            self.applied = self.coef
+        self.steps += 1
+        return self.applied
+
+    def state_dict(self) -> dict:
+        return {"kind": "entropy_coef", "coef": self.coef, "steps": self.steps, "applied": self.applied}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "entropy_coef":
+            raise ValueError(f"state is for controller kind {state.get('kind')!r}, not 'entropy_coef'")
+        self.coef, self.steps = float(state["coef"]), int(state["steps"])
+        self.applied = None if state["applied"] is None else float(state["applied"])

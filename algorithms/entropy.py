@@ -280,6 +280,13 @@ def entropy_sensitivity(
                         phi.view(shape) if with_phi else None)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each position's entropy ``[..., ]`` from ``logits`` ``[..., V]``, with its gradient (the entropy bonus's
+    input; ``entropy_sensitivity`` is the no-grad statistics pass): ``logsumexp(z) - sum softmax(z) z``, in the
+    logits' dtype (float32 here and in OpenRLHF, whose ``compute_entropy`` is the same formula)."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over ``mask`` (0-dim tensor; 0 when the mask is empty)."""
     m = mask.to(torch.float32)

@@ -8,6 +8,9 @@ One token's loss (section 2 of docs/algorithm.md):
     loss_t = weight_t * loss_t        STARE's token weights (1 where unset)
     loss_t = loss_t + c_t |logp - old_logp|   with ``penalty`` c (KL-Cov's coefficients; absent where unset)
 
+An entropy bonus (``entropy_bonus_loss``) is a separate term on the current policy's entropy, aggregated the same
+way; the engines add it to this loss.
+
 ``clip=False`` replaces the two clipped lines by the plain surrogate ``-A rho`` (no clip, no dual clip), as KL-Cov
 uses it.
 
@@ -121,16 +124,7 @@ def policy_loss(
 
     if num_tokens is None:
         num_tokens = mask_f.sum()
-    if num_seqs is None:
-        num_seqs = logprobs.shape[0]
-    if agg == "token-mean":
-        loss = masked_loss.sum() / num_tokens
-    elif agg == "seq-mean-token-mean":
-        seq_len = mask_f.sum(dim=-1).clamp(min=1.0)
-        loss = (masked_loss.sum(dim=-1) / seq_len).sum() / num_seqs
-    else:  # seq-mean-token-sum-norm
-        length = logprobs.shape[-1] if norm_len is None else norm_len
-        loss = masked_loss.sum() / (num_seqs * length)
+    loss = _aggregate(masked_loss, mask_f, agg, num_tokens, num_seqs, norm_len)
 
     with torch.no_grad():
         denom = num_tokens
@@ -148,3 +142,43 @@ def policy_loss(
             "weight_mean": loss_mask.sum() / denom,
         }
     return loss, metrics
+
+
+def _aggregate(masked: torch.Tensor, mask_f: torch.Tensor, agg: str, num_tokens, num_seqs, norm_len) -> torch.Tensor:
+    """One number from per-token values already multiplied by the mask, as ``agg`` says (see ``policy_loss``)."""
+    if num_tokens is None:
+        num_tokens = mask_f.sum()
+    if num_seqs is None:
+        num_seqs = masked.shape[0]
+    if agg == "token-mean":
+        return masked.sum() / num_tokens
+    if agg == "seq-mean-token-mean":
+        seq_len = mask_f.sum(dim=-1).clamp(min=1.0)
+        return (masked.sum(dim=-1) / seq_len).sum() / num_seqs
+    length = masked.shape[-1] if norm_len is None else norm_len  # seq-mean-token-sum-norm
+    return masked.sum() / (num_seqs * length)
+
+
+def entropy_bonus_loss(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    *,
+    agg: str = "token-mean",
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entropy bonus's part of the loss, ``(-coef * E, E)``: E the current policy's token ``entropy`` ``[B, T]``
+    (with its gradient) over ``mask``, aggregated exactly as ``policy_loss`` aggregates the token losses with the
+    same ``agg`` and counts (so with global counts the micro-batches' parts add up to the step's, as OpenRLHF's
+    ``aggregate_loss`` does for its ``--actor.entropy_coef`` term). Add the first to the policy loss."""
+    if entropy.dim() != 2:
+        raise ValueError(f"entropy must be shaped [B, T], got shape {tuple(entropy.shape)}")
+    check_same_shape("entropy", entropy, mask=mask)
+    check_choice("aggregation", agg, AGGREGATIONS)
+    check_range("coef", coef, 0, None)
+    valid = mask.bool()
+    mask_f = mask.to(entropy.dtype)
+    term = _aggregate(torch.where(valid, entropy, 0.0), mask_f, agg, num_tokens, num_seqs, norm_len)
+    return -coef * term, term

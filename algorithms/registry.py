@@ -22,7 +22,7 @@ from ._plain import (
     VARIANTS,
     check_range,
 )
-from .controllers import BandGate, PaperGate
+from .controllers import BandGate, EntropyCoef, PaperGate
 from .settings import Setting, schema, setting, settings_of
 
 # The token rules of the entropy baselines, computed once per step over the whole batch (token_rules.py, the
@@ -127,6 +127,22 @@ class AlgoConfig:
     mask_denominator: str = setting("all", "80-20: the loss divided by the selected tokens (selected, the 80/20 "
                                     "paper's code) or by every response token (all, TRL's choice)",
                                     choices=MASK_DENOMINATORS)
+    entropy_adv_alpha: float = setting(0.4, "entropy-adv: the shaping term's scale, A + min(alpha H, |A| / kappa) "
+                                       "with H the old policy's token entropy", low=0, low_open=True)
+    entropy_adv_kappa: float = setting(2.0, "entropy-adv: the term is at most |A| / kappa (kappa > 1: no advantage "
+                                       "changes sign)", low=1, low_open=True)
+    # the entropy bonus in the loss (any algorithm; entropy-adaptive adapts its coefficient: controllers.EntropyCoef)
+    entropy_coef: float = setting(0.0, "entropy bonus: the loss minus this times the current policy's token entropy "
+                                  "(aggregated as the loss; 0: no bonus); adaptive: the value before the first step",
+                                  low=0)
+    entropy_adaptive: bool = setting(False, "entropy bonus: adapt entropy_coef each step towards entropy_target "
+                                     "(Skywork-OR1's adaptive entropy control, TRL's use_adaptive_entropy)")
+    entropy_target: float = setting(0.2, "adaptive entropy bonus: the target batch entropy; the coefficient rises at "
+                                    "or below it (and applies), falls above it (and does not)", low=0, low_open=True)
+    entropy_coef_delta: float = setting(0.005, "adaptive entropy bonus: the coefficient's change per RL step", low=0)
+    entropy_coef_min: float = setting(0.0, "adaptive entropy bonus: the smallest coefficient", low=0)
+    entropy_coef_max: float = setting(1.0, "adaptive entropy bonus: the largest coefficient",
+                                      valid_text="number >= entropy_coef_min (and >= entropy_coef when adaptive)")
 
     def validate(self) -> "AlgoConfig":
         """Every setting against its row of ``ALGO_SETTINGS`` (type, range, choices), then the rules between
@@ -147,7 +163,23 @@ class AlgoConfig:
                              "set token_rule to none or stare to false")
         if self.stare:
             self.make_controller()  # the controller validates W, M, target and band
+        self.make_entropy_coef(check=True)  # the bonus's coefficient range
         return self
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """True when the loss has an entropy bonus (a coefficient above 0, or an adaptive one)."""
+        return self.entropy_adaptive or self.entropy_coef > 0
+
+    def make_entropy_coef(self, check: bool = False) -> EntropyCoef | None:
+        """The entropy bonus's coefficient controller (None without a bonus; ``check``: build it anyway, for its
+        checks)."""
+        if not (self.entropy_bonus or check):
+            return None
+        coef = EntropyCoef(self.entropy_coef, adaptive=self.entropy_adaptive, target=self.entropy_target,
+                           delta=self.entropy_coef_delta, coef_min=self.entropy_coef_min,
+                           coef_max=self.entropy_coef_max)
+        return coef if self.entropy_bonus else None
 
     def make_controller(self) -> PaperGate | BandGate | None:
         """The entropy controller these settings ask for (None for a baseline)."""
@@ -171,10 +203,13 @@ class AlgoConfig:
         changes no weight and no logged number but its own echo (``stare/m``) (a test runs ``stare_step`` both
         ways); ``stare run --sweep`` refuses to sweep one. A setting not listed may still be inert in some states
         (W while the gate is closed): this lists what the settings alone decide."""
+        out = {}
+        if not self.entropy_adaptive:
+            out.update({name: "only the adaptive entropy bonus uses it (entropy_adaptive is false)"
+                        for name in _ADAPTIVE_BONUS_SETTINGS})
         if not self.stare:  # but what its token rule reads (80-20's top_ratio)
             why = f"only STARE algorithms use it (stare is off for {self.name})"
-            return {name: why for name in _STARE_SETTINGS if name not in self.rule.settings}
-        out = {}
+            return {**out, **{name: why for name in _STARE_SETTINGS if name not in self.rule.settings}}
         if self.controller == "paper":
             out.update({name: "only the band controller uses it (controller is paper)" for name in _BAND_SETTINGS})
             if not self.adaptive:
@@ -206,8 +241,9 @@ class AlgoConfig:
     @property
     def needs_entropy(self) -> bool:
         """True when the engine must compute the old policy's per-token entropy: STARE's gate, a token rule that
-        reads it (80-20's selection), or any telemetry beyond "off"."""
-        return self.stare or self.rule.needs_entropy or self.telemetry != "off"
+        reads it (80-20's selection, entropy-adv's term), the adaptive bonus's input, or any telemetry beyond
+        "off"."""
+        return self.stare or self.rule.needs_entropy or self.entropy_bonus or self.telemetry != "off"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,6 +256,7 @@ SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name
 _STARE_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.index("telemetry")]
 _PAPER_SETTINGS = ("target_entropy", "adaptive", "alpha", "w_max", "m_min")
 _BAND_SETTINGS = ("band_low", "band_high", "band_target", "gain", "two_sided", "damp")
+_ADAPTIVE_BONUS_SETTINGS = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
 
 _DAPO_BASE = dict(clip_low=0.2, clip_high=0.28, dual_clip=10.0, agg="token-mean", dynamic_sampling=True)
 # Clip-Cov / KL-Cov as the entropy paper's scripts (verl recipe/entropy, 7B): GRPO advantages, token-mean, group
@@ -253,6 +290,15 @@ ALGORITHMS: dict[str, AlgoConfig] = {
         AlgoConfig("80-20", "80/20 (Wang et al. 2025, Beyond the 80/20 Rule): policy gradient only through the top "
                    "20% tokens by entropy, on DAPO's settings", token_rule="80-20", top_ratio=0.2,
                    mask_denominator="selected", overlong_shaping=True, **_DAPO_BASE),
+        AlgoConfig("entropy-adaptive", "Skywork-OR1's adaptive entropy control (Skywork-OR1 report 2025; TRL's "
+                   "use_adaptive_entropy): an entropy bonus whose coefficient starts at 0 and moves by 0.005 per "
+                   "step within [0, 1], up while the batch entropy is at or below 0.2 (and then applied), down above "
+                   "it; token-mean, clip 0.2/0.2, no dual clip, dynamic sampling", entropy_adaptive=True,
+                   clip_low=0.2, clip_high=0.2, **_COV_BASE),
+        AlgoConfig("entropy-adv", "Entropy-based advantage shaping (Cheng et al. 2025, Reasoning with Exploration: "
+                   "An Entropy Perspective): A + min(0.4 H, |A| / 2) per token, H the old policy's entropy "
+                   "(detached); GRPO's clip 0.2/0.2 with a token-mean loss", token_rule="entropy-adv",
+                   clip_low=0.2, clip_high=0.2, agg="token-mean"),
     )
 }
 

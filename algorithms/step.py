@@ -78,6 +78,17 @@ METRICS: tuple[tuple[str, str], ...] = (
      "algorithms)"),
     ("stare/penalised_share", "kl-cov: share of the response tokens with a penalty coefficient > 0 (absent for the "
      "other algorithms)"),
+    ("stare/shaped_share", "entropy-adv: share of the A != 0 response tokens whose advantage the entropy term "
+     "changed (H > 0)"),
+    ("stare/shaping_clipped_share", "entropy-adv: of the shaped tokens, the share whose term is held at the bound "
+     "abs(A) / kappa"),
+    # the entropy bonus (entropy_coef > 0 or entropy_adaptive: entropy-adaptive)
+    ("stare/entropy_coef", "the entropy bonus's coefficient applied this step (0 while the adaptive bonus is off)"),
+    ("stare/entropy_bonus", "the bonus subtracted from the loss this step: the coefficient times the current "
+     "policy's token entropy, aggregated as the loss is (local engine: the optimizer steps' mean; OpenRLHF: times "
+     "its own logged entropy_loss)"),
+    ("stare/entropy_bonus_share", "|stare/entropy_bonus| / (|policy loss| + |stare/entropy_bonus|): the bonus's "
+     "share of the loss's size"),
     ("stare/micro_batch_mean_weight", "OpenRLHF plugin, scope micro_batch only: each micro-batch's mean weight, "
      "averaged over the micro-batches by OpenRLHF's status reduction (weighted by their tokens)"),
     # the four quadrants (advantage sign x surprisal above / not above the position's entropy)
@@ -150,6 +161,7 @@ class StepResult(NamedTuple):
     state: ControllerState | None  # the controller's decision (None for a baseline)
     memory: StepMemory  # to pass to the next step
     penalty: torch.Tensor | None = None  # [B, T] float32 KL-Cov coefficients for policy_loss(penalty=); kl-cov only
+    entropy_coef: float | None = None  # the entropy bonus's coefficient this step (None: no bonus)
 
 
 def _reduce(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], group) -> tuple[dict[str, float], dict[str, float]]:
@@ -202,6 +214,7 @@ def stare_step(
     group=None,
     micro_batches: Sequence[torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    entropy_coef=None,
 ) -> StepResult:
     """Once per RL step: batch entropy, the controller's update, the weights and the telemetry.
 
@@ -233,6 +246,9 @@ def stare_step(
     - ``generator``: a token rule that draws random numbers (``cfg.rule.random``: clip-cov's keys) draws from it
       (the engine's own generator, touched by nothing else; None: torch's global generator). No other algorithm
       draws random numbers here.
+    - ``entropy_coef``: ``cfg.make_entropy_coef()`` (an ``EntropyCoef``; None without an entropy bonus), updated
+      once from the batch entropy like the gate; its coefficient for this step is ``StepResult.entropy_coef``
+      (``loss.entropy_bonus_loss`` takes it) and ``stare/entropy_coef``.
     - ``cfg.rule`` (clip-cov, kl-cov, 80-20): the token rule runs once over the whole step's batch (``scope`` is
       ignored), exact across ``group``'s ranks, whatever ``cfg.telemetry`` says. ``stats.entropy`` may be None
       when ``cfg.needs_entropy`` is False (clip-cov / kl-cov with telemetry off); the step then logs
@@ -256,6 +272,9 @@ def stare_step(
     if stats.entropy is None and cfg.needs_entropy:
         raise ValueError(f"stats.entropy is None, but {cfg.name!r} with telemetry {cfg.telemetry!r} needs the entropy")
     adv = broadcast_advantages(advantages, logprobs)  # [B, T] (a view for per-sequence advantages)
+    if (entropy_coef is None) == cfg.entropy_bonus:
+        raise ValueError(f"algorithm {cfg.name!r} {'has' if cfg.entropy_bonus else 'has no'} entropy bonus; pass "
+                         "entropy_coef=cfg.make_entropy_coef()")
     if (controller is None) != (not cfg.stare):
         raise ValueError(f"algorithm {cfg.name!r} {'needs' if cfg.stare else 'takes no'} controller; pass "
                          "cfg.make_controller()")
@@ -295,6 +314,10 @@ def stare_step(
         metrics.update(state.as_metrics(P))
     metrics.update(values)
     metrics[P + "tokens"] = n_tokens
+    coef = None
+    if entropy_coef is not None:
+        coef = entropy_coef.update(entropy)
+        metrics[P + "entropy_coef"] = coef
 
     # 3. the weights (gate on, some tokens anywhere: every rank takes the same branch)
     weights = penalty = None
@@ -327,7 +350,7 @@ def stare_step(
         lowered = torch.zeros_like(valid)
         if weights is not None:
             # a baseline's shares count its 0/1 choice, whatever weight its kept tokens carry (80-20's N / S)
-            marks = torch.where(weights != 0, 1.0, 0.0) if rule.active else weights
+            marks = torch.where(weights != 0, 1.0, 0.0) if rule.active and rule.choice else weights
             sums = reweight_sums(marks, adv, mask)
             if marks is not weights:
                 sums["mean_weight"] = reweight_sums(weights, adv, mask)["mean_weight"]
@@ -337,13 +360,14 @@ def stare_step(
             pairs[P + "boosted_phi_pos_share"] = ((boosted & phi_pos).sum(), boosted.sum())
             pairs[P + "masked_share"] = ((valid & (weights == 0)).sum(), valid.sum())
             lowered = valid & (marks < 1)
+            pairs.update({P + k: v for k, v in rule.telemetry_sums(cfg, advantages, mask, stats.entropy).items()})
         if penalty is not None:
             penalised = valid & (penalty > 0)
             pairs[P + "penalised_share"] = (penalised.sum(), valid.sum())
             lowered = lowered | penalised
         pairs[P + "lowered_phi_pos_share"] = ((lowered & phi_pos).sum(), lowered.sum())
         w_values, w_counts = _reduce(pairs, group)
-        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share"):
+        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share", "shaping_clipped_share"):
             if w_counts.get(P + name) == 0:
                 del w_values[P + name]
         metrics.update(w_values)
@@ -357,5 +381,6 @@ def stare_step(
 
     # 5. the measured change since the previous step, beside what that step forecast
     metrics.update(memory.change_metrics(entropy))
-    return StepResult(weights, metrics, state, StepMemory(entropy, metrics.get(P + "entropy_forecast")), penalty)
+    return StepResult(weights, metrics, state, StepMemory(entropy, metrics.get(P + "entropy_forecast")), penalty,
+                      coef)
 

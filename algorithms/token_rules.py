@@ -1,4 +1,5 @@
-"""The entropy baselines' token rules, registered by name (as verl registers its policy losses).
+"""The entropy baselines' token rules (clip-cov, kl-cov, 80-20, entropy-adv), registered by name (as verl
+registers its policy losses).
 
 ``AlgoConfig.token_rule`` is a rule's name (a plain ``--set`` key); ``AlgoConfig.rule`` is the rule object, and
 everything that depends on the rule asks the object, never the name:
@@ -9,10 +10,15 @@ everything that depends on the rule asks the object, never the name:
 - ``needs_entropy``: it reads the old policy's per-token entropy, so the engines compute it whatever the telemetry;
 - ``unclipped``: its surrogate is -A r for every token (no clip, no dual clip);
 - ``random``: it draws random numbers, from a generator the engine keeps for it alone;
+- ``choice``: its weights mark a choice (0 dropped; kept tokens 1, or 80-20's N / S), so the telemetry's shares
+  count what it kept; False for weights that scale each token (entropy-adv), whose shares count the weights;
 - ``active``: False for "none" only: with a rule active, ``stare_step`` runs every step whatever the telemetry;
 - ``validate(cfg)``: its checks beyond each setting's own range;
-- ``apply(...)``: the step's numbers -> ``(weights, penalty)``, once over the whole step's batch: a 0/1 mask or
-  80-20's N / S weights as ``weights``, KL-Cov's coefficients as ``penalty`` (the pure functions of baselines.py).
+- ``apply(...)``: the step's numbers -> ``(weights, penalty)``, once over the whole step's batch: a 0/1 mask,
+  80-20's N / S weights or entropy-adv's shaping as ``weights``, KL-Cov's coefficients as ``penalty`` (the pure
+  functions of baselines.py);
+- ``telemetry_sums(...)``: its own telemetry as (numerator, denominator) pairs, summed over the ranks with the rest
+  of the step's telemetry (names in step.METRICS, without the ``stare/`` prefix).
 
 A new rule is a subclass decorated with ``@register_token_rule`` (here, its maths in baselines.py, or in a module of
 your own); its name is then a valid ``token_rule`` and both engines run it. A rule outside this package reads the
@@ -46,6 +52,7 @@ class TokenRule:
     needs_entropy = False
     unclipped = False
     random = False
+    choice = True
 
     def validate(self, cfg) -> None:
         """Raise ValueError when ``cfg`` (an AlgoConfig whose every setting is in its own range) does not suit the
@@ -58,6 +65,10 @@ class TokenRule:
         ``entropy`` ``[B, T]`` (None unless ``needs_entropy`` or the telemetry asked for it); ``group`` a
         torch.distributed group (exact across its ranks), ``generator`` the engine's own (``random`` rules)."""
         return None, None
+
+    def telemetry_sums(self, cfg, advantages, mask, entropy) -> dict:
+        """``{name: (numerator, denominator)}`` 0-dim tensors over this rank's tokens (telemetry "full" only)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"<token rule {self.name}>"
@@ -115,8 +126,33 @@ class TopEntropy(TokenRule):
                                    denominator=cfg.mask_denominator), None
 
 
+class EntropyAdvantage(TokenRule):
+    """entropy-adv: each token's advantage A + min(entropy_adv_alpha H, |A| / entropy_adv_kappa), as a weight on its
+    loss (H the old policy's entropy, detached)."""
+
+    name = "entropy-adv"
+    active = True
+    settings = ("entropy_adv_alpha", "entropy_adv_kappa")
+    exclusive = ("entropy_adv_alpha", "entropy_adv_kappa")
+    needs_entropy = True
+    choice = False
+
+    def apply(self, cfg, logprobs, advantages, mask, entropy, *, group=None, generator=None):
+        from .baselines import entropy_advantage_weights
+
+        return entropy_advantage_weights(advantages, entropy, mask, alpha=cfg.entropy_adv_alpha,
+                                         kappa=cfg.entropy_adv_kappa), None
+
+    def telemetry_sums(self, cfg, advantages, mask, entropy) -> dict:
+        from .baselines import entropy_advantage_sums
+
+        return entropy_advantage_sums(advantages, entropy, mask, alpha=cfg.entropy_adv_alpha,
+                                      kappa=cfg.entropy_adv_kappa)
+
+
 # THE registry: name -> rule, in the order the choices are listed (the built-in rules, then registered ones).
-RULES: dict[str, TokenRule] = {rule.name: rule for rule in (TokenRule(), ClipCov(), KLCov(), TopEntropy())}
+RULES: dict[str, TokenRule] = {rule.name: rule
+                               for rule in (TokenRule(), ClipCov(), KLCov(), TopEntropy(), EntropyAdvantage())}
 _imported: set[str] = set()  # the modules of MODULES_ENV imported so far
 
 

@@ -6,8 +6,39 @@ from stare.algorithms import ALGORITHMS, TOKEN_RULES, BandGate, PaperGate, get_a
 
 def test_names():
     assert list(ALGORITHMS) == ["grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov",
-                                "80-20"]
-    assert TOKEN_RULES == ("none", "clip-cov", "kl-cov", "80-20")
+                                "80-20", "entropy-adaptive", "entropy-adv"]
+    assert TOKEN_RULES == ("none", "clip-cov", "kl-cov", "80-20", "entropy-adv")
+
+
+def test_the_entropy_controls_carry_their_sources_settings():
+    """entropy-adaptive: TRL's use_adaptive_entropy defaults (coefficient from 0, delta 0.005 within [0, 1], target
+    0.2) on Skywork-OR1's base as we read it; entropy-adv: Cheng et al.'s alpha 0.4, kappa 2 on GRPO's clip with a
+    token-mean loss. Neither touches STARE's gate, and a bonus's settings are refused where they cannot act."""
+    ada = get_algorithm("entropy-adaptive")
+    assert (ada.entropy_adaptive, ada.entropy_coef, ada.entropy_coef_delta, ada.entropy_coef_min,
+            ada.entropy_coef_max, ada.entropy_target) == (True, 0.0, 0.005, 0.0, 1.0, 0.2)
+    assert (ada.clip_low, ada.clip_high, ada.dual_clip, ada.agg, ada.dynamic_sampling, ada.stare) == \
+        (0.2, 0.2, None, "token-mean", True, False)
+    assert ada.entropy_bonus and ada.needs_entropy and ada.make_controller() is None
+    adv = get_algorithm("entropy-adv")
+    assert (adv.token_rule, adv.entropy_adv_alpha, adv.entropy_adv_kappa) == ("entropy-adv", 0.4, 2.0)
+    assert (adv.clip_low, adv.clip_high, adv.agg, adv.dynamic_sampling, adv.entropy_bonus) == \
+        (0.2, 0.2, "token-mean", False, False)
+    assert adv.rule.needs_entropy and not adv.rule.choice
+    for name in ALGORITHMS:  # no other algorithm has a bonus
+        assert get_algorithm(name).entropy_bonus == (name == "entropy-adaptive")
+    # a static bonus on any algorithm; the adaptive one's range, and entropy-adv's settings elsewhere, refused
+    assert get_algorithm("grpo", entropy_coef=0.01).make_entropy_coef().update(5.0) == 0.01
+    with pytest.raises(ValueError, match="entropy_coef_max"):
+        get_algorithm("entropy-adaptive", entropy_coef_min=0.5, entropy_coef_max=0.4)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        get_algorithm("entropy-adaptive", entropy_coef=2.0)  # above entropy_coef_max 1
+    with pytest.raises(ValueError, match="entropy_adv_kappa"):
+        get_algorithm("entropy-adv", entropy_adv_kappa=1.0)  # kappa 1 would zero an A < 0 token at the bound
+    with pytest.raises(ValueError, match="entropy_adv_alpha .* applies to token_rule entropy-adv only"):
+        get_algorithm("grpo", entropy_adv_alpha=0.5)
+    assert "entropy_target" in get_algorithm("grpo").unused_settings()
+    assert "entropy_target" not in ada.unused_settings()
 
 
 def test_baseline_settings():
@@ -135,7 +166,8 @@ def test_token_rules_are_a_registry_that_everything_asks():
         assert rule.active == (name != "none")
     assert [n for n, r in RULES.items() if r.unclipped] == ["kl-cov"]
     assert [n for n, r in RULES.items() if r.random] == ["clip-cov"]
-    assert [n for n, r in RULES.items() if r.needs_entropy] == ["80-20"]
+    assert [n for n, r in RULES.items() if r.needs_entropy] == ["80-20", "entropy-adv"]
+    assert [n for n, r in RULES.items() if not r.choice] == ["entropy-adv"]  # its weights scale, not choose
     for name, cfg in ALGORITHMS.items():
         assert cfg.rule is RULES[cfg.token_rule] and cfg.unclipped == cfg.rule.unclipped, name
     with pytest.raises(ValueError, match="unknown token_rule 'clipcov'; valid choices: none, clip-cov"):

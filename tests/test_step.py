@@ -389,22 +389,25 @@ def test_two_ranks_are_exact_over_the_union(tmp_path):
 _OTHER_VALUE = {"selection": "phi", "variant": "C2", "top_ratio": 0.3, "w": 1.7, "m": 0.6, "damp": 0.5, "phi_cap": 0.5,
                 "phi_tol": 0.05, "scope": "micro_batch", "controller": "band", "target_entropy": 0.9, "adaptive": True,
                 "alpha": 0.05, "w_max": 2.5, "m_min": 0.3, "band_low": 0.2, "band_high": 2.0, "band_target": 0.4,
-                "gain": 2.0, "two_sided": True}
+                "gain": 2.0, "two_sided": True, "entropy_target": 0.9, "entropy_coef_delta": 0.01,
+                "entropy_coef_min": 0.1, "entropy_coef_max": 0.5}
 # the gates held open on _batch (entropy about 0.75), so the weights are there to differ
 _OPEN = {"stare": {"target_entropy": 5.0}, "stare-c2": {"target_entropy": 5.0},
          "stare-phi": {"band_low": 0.5, "band_high": 1.2}}
 
 
 def _three_steps(cfg, logp, adv, mask, stats):
-    controller, memory, out = cfg.make_controller(), None, []
+    controller, coef, memory, out = cfg.make_controller(), cfg.make_entropy_coef(), None, []
     for _ in range(3):  # the adaptive gate's W and M move from step to step
-        r = stare_step(controller, cfg, logp, adv, mask, stats, memory=memory, generator=torch.Generator().manual_seed(1))
+        r = stare_step(controller, cfg, logp, adv, mask, stats, memory=memory, generator=torch.Generator().manual_seed(1),
+                       entropy_coef=coef)
         memory = r.memory
         out.append((r.weights, r.penalty, r.metrics))
     return out
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20"])
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20",
+                                  "entropy-adaptive", "entropy-adv"])
 def test_an_unused_setting_changes_no_weight_and_no_number(algo):
     from stare.algorithms import ALGORITHMS
 
@@ -428,3 +431,8 @@ def test_an_unused_setting_changes_no_weight_and_no_number(algo):
     if base.stare:
         changed = _three_steps(get_algorithm(algo, **_OPEN[algo], w=_OTHER_VALUE["w"]), logp, adv, mask, stats)
         assert not torch.equal(reference[0][0], changed[0][0])
+    # and the adaptive bonus's target, which entropy-adaptive uses, moves its coefficient (batch entropy about 0.75)
+    if base.entropy_adaptive:
+        assert [m["stare/entropy_coef"] for _, _, m in reference] == [0.0, 0.0, 0.0]  # above 0.2: held at 0
+        changed = _three_steps(get_algorithm(algo, entropy_target=0.9), logp, adv, mask, stats)
+        assert [m["stare/entropy_coef"] for _, _, m in changed] == pytest.approx([0.005, 0.010, 0.015], abs=1e-12)
