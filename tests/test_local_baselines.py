@@ -1,5 +1,6 @@
-"""The entropy baselines (clip-cov, kl-cov, 80-20) in the local engine and its CLI: the rule reaches the loss,
-Clip-Cov's own generator makes a resumed run continue identically, `stare train` / `stare run` run them."""
+"""The entropy baselines (clip-cov, kl-cov, 80-20, entropy-adv, entropy-adaptive) in the local engine and its CLI: the
+rule or the bonus reaches the loss, Clip-Cov's generator and the bonus's coefficient make a resumed run continue
+identically, `stare train` / `stare run` run them."""
 from __future__ import annotations
 
 import csv
@@ -135,3 +136,76 @@ def test_stare_run_trains_the_baselines_named_with_set_algos(tmp_path):
     assert all(r["stare/mean_weight"] == pytest.approx(1.0, abs=1e-6) for r in metrics["80-20"])
     assert all(r["stare/penalised_share"] > 0 and r["stare/masked_share"] == 0 for r in metrics["kl-cov"])
     assert json.loads((out / "kl-cov" / "eval.json").read_text())["algo"] == "kl-cov"
+
+
+def test_the_adaptive_entropy_bonus_reaches_the_loss_and_a_resumed_run_continues_identically(tmp_path, warm,
+                                                                                             monkeypatch):
+    """entropy-adaptive in the local engine: the step's coefficient (target above the entropy: delta at step 1) goes
+    to entropy_bonus_loss with the current policy's entropy (with its gradient) and the policy loss's counts; a run
+    killed after step 3 and resumed from step 2's checkpoint logs what the straight run logs (the coefficient's
+    state is in the checkpoint: without it step 3 would apply 0.1, not 0.3)."""
+    bonus_calls = []
+    real_bonus = local_trainer.entropy_bonus_loss
+
+    def spy_bonus(entropy, mask, coef, **k):
+        bonus_calls.append((entropy, coef, k))
+        return real_bonus(entropy, mask, coef, **k)
+
+    monkeypatch.setattr(local_trainer, "entropy_bonus_loss", spy_bonus)
+    t, rec, steps, losses = _one_step("entropy-adaptive", tmp_path / "one", warm, monkeypatch,
+                                      "entropy_target=5", "entropy_coef_delta=0.1")
+    [(_, micros, step)] = steps
+    assert step.entropy_coef == pytest.approx(0.1) and rec["stare/entropy_coef"] == pytest.approx(0.1)
+    assert len(bonus_calls) == len(losses) == len(micros)
+    for (entropy, coef, k), (*_, kw, _) in zip(bonus_calls, losses):
+        assert coef == step.entropy_coef and entropy.requires_grad
+        assert (k["agg"], k["num_tokens"], k["num_seqs"]) == (kw["agg"], kw["num_tokens"], kw["num_seqs"])
+    assert rec["stare/entropy_bonus"] > 0 and 0 < rec["stare/entropy_bonus_share"] < 1
+    monkeypatch.undo()
+
+    sets = ("steps=4", "save_every=2", "entropy_target=5", "entropy_coef_delta=0.1")
+    straight = _trainer("entropy-adaptive", tmp_path / "straight", warm, *sets).run()
+
+    class Killed(Exception):
+        pass
+
+    def kill(step, steps, rec):
+        if step == 3:
+            raise Killed
+
+    with pytest.raises(Killed):
+        _trainer("entropy-adaptive", tmp_path / "killed", warm, *sets).run(on_step=kill)
+    resumed = _trainer("entropy-adaptive", tmp_path / "killed", warm, *sets).run(resume=True)
+    a = [{k: v for k, v in r.items() if k != "time_s"} for r in read_metrics(tmp_path / "straight")]
+    b = [{k: v for k, v in r.items() if k != "time_s"} for r in read_metrics(tmp_path / "killed")]
+    assert a == b and [r["step"] for r in b] == [1, 2, 3, 4]
+    trained = [r["stare/entropy_coef"] for r in a if not r.get("skipped")]
+    assert trained == pytest.approx([0.1 * (i + 1) for i in range(len(trained))])
+    assert straight == resumed
+
+
+def test_entropy_adv_weights_reach_the_loss(tmp_path, warm, monkeypatch):
+    from stare.algorithms import entropy_advantage_weights
+
+    t, rec, steps, losses = _one_step("entropy-adv", tmp_path / "adv", warm, monkeypatch)
+    [(_, micros, step)] = steps
+    assert step.weights is not None and step.penalty is None
+    for (_, _, adv, mask, kw, _), micro in zip(losses, micros):
+        assert kw["clip"] is True and torch.equal(kw["weights"], step.weights[micro])
+    assert rec["stare/shaped_share"] > 0 and rec["stare/positive_reweight_ratio"] > 0
+    assert not torch.equal(step.weights, torch.ones_like(step.weights))
+    # the weights are the shaping of the step's advantages by the old policy's entropy
+    seen = {}
+    real = local_trainer.stare_step
+
+    def keep(*a, **k):
+        seen["args"] = a
+        return real(*a, **k)
+
+    monkeypatch.setattr(local_trainer, "stare_step", keep)
+    t2 = _trainer("entropy-adv", tmp_path / "adv2", warm)
+    t2._build(t2._initial_policy_dir())
+    t2.train_step()
+    _, cfg, logp, adv, mask, stats = seen["args"]
+    assert torch.equal(real(None, cfg, logp, adv, mask, stats).weights,
+                       entropy_advantage_weights(adv, stats.entropy, mask, alpha=0.4, kappa=2.0))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stare.algorithms import ALGORITHMS
+from stare.algorithms import ALGORITHMS, AlgoConfig
 from stare.cli.openrlhf_backend import launch as orl
 from stare.cli.openrlhf_backend.argv import SETTINGS_ENV
 from stare.cli.presets import load_preset, preset_names, resolve
@@ -77,7 +77,11 @@ def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
         assert args.data.max_len == s["max_prompt_len"] + s["max_response_len"]
         assert args.actor.adam.lr == s["lr"]
         assert args.actor.num_gpus_per_node * args.actor.num_nodes == s["gpus_per_node"] * s["nodes"]
-        assert args.actor.entropy_coef is None  # never OpenRLHF's full-vocabulary entropy path
+        # OpenRLHF's entropy term (the current policy's, with its gradient) only where there is a bonus, starting
+        # from the algorithm's coefficient (the plugin sets each step's)
+        bonus = AlgoConfig(**cfg).entropy_bonus
+        assert bonus == (algo == "entropy-adaptive")
+        assert args.actor.entropy_coef == (cfg["entropy_coef"] if bonus else None)
         if cfg["overlong_shaping"]:
             assert args.reward.overlong_buffer_len == cfg["overlong_buffer_len"]
         if s["agent"]:
@@ -87,7 +91,7 @@ def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
             assert args.reward.remote_url == [str(orl.REWARD_FILE)]
         env = plan["ray"]["runtime_env"]["env_vars"]
         assert json.loads(env[SETTINGS_ENV])["algo"]["name"] == algo
-        assert bool(plan["stare"]) == (cfg["stare"] or cfg["token_rule"] != "none")  # the plugin's settings
+        assert bool(plan["stare"]) == (cfg["stare"] or cfg["token_rule"] != "none" or bonus)  # the plugin's settings
     capsys.readouterr()
 
 

@@ -338,3 +338,86 @@ def test_token_budget_groups_give_the_same_entropy_within_half_the_budget(monkey
     assert all(b * t <= 20 or b == 1 for b, t in shapes)
     for key in ("stare/entropy", "stare/entropy_forecast", "stare/positive_reweight_ratio", "stare/pos_low_share"):
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+def _response_entropy(model, exp):
+    """The policy's entropy at each response position [B, RESP] (with its gradient), by its definition."""
+    logits = model(exp.sequences, attention_mask=exp.attention_mask,
+                   position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    logp = torch.log_softmax(logits[:, :-1][:, -RESP:], -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _hand_entropy(model, exp):
+    """The current policy's token entropy at the response positions, token-mean over the batch (with its gradient)."""
+    m = exp.action_mask.float()
+    return (_response_entropy(model, exp) * m).sum() / m.sum()
+
+
+def _through_ppo_train(monkeypatch, args, algo, **overrides):
+    """One step of ``algo`` through OpenRLHF's ppo_train (micro-batches of 2) on a fresh model: (trainer, model,
+    experience, status)."""
+    _settings_env(monkeypatch, algo, **overrides)
+    exp = _experience(_model())
+    model = _model()
+    trainer = _install(_trainer(monkeypatch, model, args, gas=B // 2))
+    trainer.replay_buffer.append(copy.deepcopy(exp))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    return trainer, model, exp, trainer.ppo_train(0.0)
+
+
+def test_the_adaptive_entropy_bonus_is_openrlhfs_entropy_term_with_the_controllers_coefficient(monkeypatch, tmp_path):
+    """entropy-adaptive through OpenRLHF's ppo_train: each step's coefficient (target above the entropy: up by delta
+    each step) reaches OpenRLHF's own --actor.entropy_coef term, so the step's gradient is the clipped loss minus
+    coef x the current policy's token-mean entropy, written out by hand; the coefficient's state is saved with the
+    checkpoint and restored."""
+    args = _args(clip=(0.2, 0.2), dual_clip=None)
+    args.actor.entropy_coef = 0.0  # what the launch passes (argv.py): OpenRLHF computes the entropy term
+    ours, m_ours, exp, status = _through_ppo_train(monkeypatch, args, "entropy-adaptive", entropy_target=100.0,
+                                                   entropy_coef_delta=0.3)
+    assert args.actor.entropy_coef == pytest.approx(0.3) and status["stare/entropy_coef"] == pytest.approx(0.3)
+    assert status["stare/entropy_bonus"] == pytest.approx(0.3 * status["entropy_loss"])
+    assert 0 < status["stare/entropy_bonus_share"] < 1
+    no_dual = 1e9  # no dual clip: a cap that never binds
+    m_hand = _model()
+    (_hand_loss(m_hand, exp, torch.ones_like(exp.advantages), clip=(0.2, 0.2), dual_clip=no_dual)
+     - 0.3 * _hand_entropy(m_hand, exp)).backward()
+    g_ours = _grads(m_ours)
+    assert torch.allclose(g_ours, _grads(m_hand), rtol=1e-4, atol=1e-6)
+    m_plain = _model()  # and the bonus is not a no-op
+    _hand_loss(m_plain, exp, torch.ones_like(exp.advantages), clip=(0.2, 0.2), dual_clip=no_dual).backward()
+    assert (g_ours - _grads(m_plain)).abs().max() > 1e-3 * g_ours.abs().max()
+    # the coefficient's state travels with the checkpoint: the resumed run's next step applies 0.6
+    (tmp_path / "_actor" / "global_step1").mkdir(parents=True)
+    (tmp_path / "_actor" / "latest").write_text("global_step1")
+    plugin.save_stare_state(ours, str(tmp_path), "global_step1", keep=2)
+    args_b = _args(clip=(0.2, 0.2), dual_clip=None)
+    args_b.actor.entropy_coef = 0.0
+    b = _install(_trainer(monkeypatch, _model(), args_b))
+    assert plugin.load_stare_state(b, str(tmp_path)) == "global_step1"
+    b.replay_buffer.append(copy.deepcopy(exp))
+    assert b.stare.prepare_step()["stare/entropy_coef"] == pytest.approx(0.6)
+    assert args_b.actor.entropy_coef == pytest.approx(0.6)
+
+
+def test_entropy_adv_shapes_the_advantages_inside_openrlhfs_loss(monkeypatch):
+    """entropy-adv through OpenRLHF's ppo_train: the gradient of OpenRLHF's loss equals the clipped loss with
+    A + min(0.4 H, |A| / 2) written out by hand, H the old policy's entropy computed here."""
+    args = _args(clip=(0.2, 0.2), dual_clip=None)
+    ours, m_ours, exp, status = _through_ppo_train(monkeypatch, args, "entropy-adv")
+    with torch.no_grad():
+        h = _response_entropy(_model(), exp)  # the old policy's: the same weights as the trained model's start
+    a = exp.advantages
+    shaped = torch.where(a == 0, 0.0, a + torch.minimum(0.4 * h, a.abs() / 2.0))
+    weights = torch.where(a == 0, 1.0, shaped / torch.where(a == 0, 1.0, a))
+    m_hand = _model()
+    _hand_loss(m_hand, exp, weights, clip=(0.2, 0.2), dual_clip=1e9).backward()
+    g_ours = _grads(m_ours)
+    assert torch.allclose(g_ours, _grads(m_hand), rtol=1e-4, atol=1e-6)
+    m_plain = _model()
+    _hand_loss(m_plain, exp, torch.ones_like(weights), clip=(0.2, 0.2), dual_clip=1e9).backward()
+    assert (g_ours - _grads(m_plain)).abs().max() > 1e-3 * g_ours.abs().max()
+    nonzero = exp.action_mask & (a != 0)
+    clipped = nonzero & (0.4 * h >= a.abs() / 2)
+    assert status["stare/shaped_share"] == pytest.approx(1.0)
+    assert status["stare/shaping_clipped_share"] == pytest.approx(float(clipped.sum() / nonzero.sum()), abs=1e-6)

@@ -13,8 +13,9 @@ Each step, in order (the same ``stare.algorithms`` calls the OpenRLHF plugin mak
    mask as the weights; kl-cov: per-token penalty coefficients, with the unclipped surrogate; Clip-Cov draws from
    its own generator, seeded from the seed and kept in checkpoints, so no other algorithm's streams move); the
    ``stare/*`` telemetry;
-6. ``mini_batches`` optimizer steps of ``policy_loss``, each accumulated over micro-batches with the
-   mini-batch's global token and sequence counts;
+6. ``mini_batches`` optimizer steps of ``policy_loss`` (plus ``entropy_bonus_loss`` on the current policy's entropy
+   when the algorithm has an entropy bonus, with the coefficient ``stare_step`` gave), each accumulated over
+   micro-batches with the mini-batch's global token and sequence counts;
 7. one more no-grad pass over the same batch for ``stare/entropy_change_same_batch`` (setting
    ``same_batch_entropy``; off, the metric is absent); every ``eval_every`` steps (0: never) the held-out avg@k,
    pass@k and greedy accuracy with a 95% bootstrap interval (``heldout/*``, the same evaluation as eval.json's, on
@@ -49,12 +50,14 @@ from stare.algorithms import (
     StepMemory,
     batch_mean,
     clip_cov_seed,
+    entropy_bonus_loss,
     entropy_sensitivity,
     group_advantages,
     informative_groups,
     overlong_penalty,
     policy_loss,
     stare_step,
+    token_entropy,
 )
 
 from .device import engine_device
@@ -99,6 +102,7 @@ class LocalTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.s["lr"], weight_decay=0.0,
                                      betas=(0.9, 0.99))
         self.controller = self.algo.make_controller()
+        self.entropy_coef = self.algo.make_entropy_coef()  # the entropy bonus's coefficient (None: no bonus)
         self.memory = StepMemory()  # the previous step's batch entropy and forecast
         self.gen = torch.Generator(self.device).manual_seed(self.s["seed"])
         # Clip-Cov's random choice among its candidates: its own generator, so no other algorithm's streams move
@@ -122,6 +126,7 @@ class LocalTrainer:
             "step": self.step,
             "optimizer": self.opt.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
+            "entropy_coef": None if self.entropy_coef is None else self.entropy_coef.state_dict(),
             "memory": self.memory.as_dict(),
             "generator": self.gen.get_state(),
             "clip_generator": self.clip_gen.get_state(),
@@ -176,6 +181,8 @@ class LocalTrainer:
         self.opt.load_state_dict(state["optimizer"])
         if self.controller is not None:
             self.controller.load_state_dict(state["controller"])
+        if self.entropy_coef is not None:
+            self.entropy_coef.load_state_dict(state["entropy_coef"])
         self.memory = StepMemory(**(state.get("memory") or {}))  # absent in checkpoints written before it
         if state.get("device", "cpu") == self.device.type:
             self.gen.set_state(state["generator"])
@@ -269,8 +276,10 @@ class LocalTrainer:
         plan = [list(mb.split(self.s["micro_batch_size"])) for mb in order.chunk(mb_count)]
         step = stare_step(self.controller, self.algo, old_logprobs, adv, mask, stats, memory=self.memory,
                           micro_batches=[micro for micros in plan for micro in micros],
-                          generator=self.clip_gen if self.algo.rule.random else None)
+                          generator=self.clip_gen if self.algo.rule.random else None,
+                          entropy_coef=self.entropy_coef)
         weights, penalty, entropy = step.weights, step.penalty, step.metrics["stare/entropy"]
+        coef = step.entropy_coef  # the entropy bonus's coefficient this step (None: no bonus)
         self.memory = step.memory
         rec.update(step.metrics)
 
@@ -283,8 +292,8 @@ class LocalTrainer:
             self.opt.zero_grad(set_to_none=True)
             for micro in micros:
                 sub = batch.select(micro)
-                lp = token_logprobs(response_logits(self.model, sub, temp, response_only=response_only),
-                                    sub.responses)
+                logits = response_logits(self.model, sub, temp, response_only=response_only)
+                lp = token_logprobs(logits, sub.responses)
                 loss, m = policy_loss(lp, old_logprobs[micro], adv[micro], mask[micro],
                                       clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
                                       dual_clip=self.algo.dual_clip, agg=self.algo.agg,
@@ -292,11 +301,23 @@ class LocalTrainer:
                                       penalty=None if penalty is None else penalty[micro],
                                       clip=not self.algo.unclipped,
                                       num_tokens=n_tok, num_seqs=n_seq, norm_len=self.s["max_new_tokens"])
-                loss.backward()
+                total = loss
+                if coef:  # the entropy bonus: the current policy's entropy, with its gradient
+                    bonus, term = entropy_bonus_loss(token_entropy(logits), mask[micro], coef, agg=self.algo.agg,
+                                                     num_tokens=n_tok, num_seqs=n_seq,
+                                                     norm_len=self.s["max_new_tokens"])
+                    total = loss + bonus
+                    m = {**m, "stare/entropy_bonus": coef * term.detach()}
+                del logits
+                total.backward()
                 for k, v in {"loss": loss.detach(), **m}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / mb_count
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s["grad_clip"])
             self.opt.step()
+        if coef is not None:  # the bonus's size beside the policy loss's
+            bonus = sums.setdefault("stare/entropy_bonus", 0.0)
+            size = abs(sums.get("loss", 0.0)) + abs(bonus)
+            sums["stare/entropy_bonus_share"] = abs(bonus) / size if size > 0 else 0.0
         if self.s.get("same_batch_entropy", True):  # one more no-grad forward (absent in old configs: on)
             with torch.no_grad():
                 new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions,

@@ -198,6 +198,10 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
         if algo["dual_clip"] is not None:
             flag("actor.dual_clip", algo["dual_clip"])
     flag("actor.loss_agg_mode", AGG_MODES[algo["agg"]])
+    if AlgoConfig(**algo).entropy_bonus:
+        # OpenRLHF's own entropy term (the current policy's entropy, aggregated as the loss); the plugin sets the
+        # coefficient each step (entropy_adaptive: controllers.EntropyCoef), starting from this one
+        flag("actor.entropy_coef", algo["entropy_coef"])
     if algo["agg"] == "seq-mean-token-sum-norm":
         notes.append("OpenRLHF has no seq-mean-token-sum-norm aggregation; Dr.GRPO runs with token-mean")
     if algo["dynamic_sampling"]:
@@ -262,6 +266,10 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     elif rule.active:  # an entropy baseline: the plugin applies its token rule once per step (the dry run prints
         # the settings the rule reads)
         stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}
+    if AlgoConfig(**algo).entropy_bonus:  # the bonus's settings, beside the rest
+        stare = {"name": algo["name"], **stare, **{k: algo[k] for k in (
+            "entropy_coef", "entropy_adaptive", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+            "entropy_coef_max")}, "telemetry": algo["telemetry"]}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            SEED_ENV: str(s["seed"]),

@@ -10,9 +10,14 @@ them to the loss. With ``scope: micro_batch`` the weights are instead chosen ins
 implementation's rule).
 
 The entropy baselines (``cfg.rule``, the registered token rule: clip-cov, kl-cov, 80-20) run ``stare_step`` every step whatever the
-telemetry setting (80-20 reads the stashed entropy; Clip-Cov and KL-Cov with telemetry off read only log-probs and
+telemetry setting (80-20 and entropy-adv read the stashed entropy; Clip-Cov and KL-Cov with telemetry off read only log-probs and
 advantages). Clip-Cov's random choice uses a generator per rank and step (any rule with ``random``), seeded from ``--train.seed``, the rank
 and the step count (saved with the controller state). KL-Cov's coefficients travel per sample like the weights.
+
+An entropy bonus (``cfg.entropy_bonus``: entropy-adaptive) is OpenRLHF's own ``--actor.entropy_coef`` term (the
+current policy's entropy, aggregated as the policy loss): the launch turns it on and ``prepare_step`` sets the
+coefficient the step's ``EntropyCoef`` gives, once per step, before any micro-batch; the coefficient's state is
+saved with the controller's.
 
 Telemetry goes into the status dict ``ppo_train`` returns, which OpenRLHF logs as ``train/<key>`` (W&B,
 TensorBoard): the names of ``stare.algorithms.METRICS``, from ``stare_step`` (all but
@@ -53,6 +58,10 @@ class StareStep:
     def __init__(self, trainer, cfg: AlgoConfig):
         self.trainer, self.cfg = trainer, cfg
         self.controller = cfg.make_controller()
+        # the entropy bonus's coefficient (None: no bonus); each step's value goes to OpenRLHF's own
+        # --actor.entropy_coef, which its training_step subtracts times the current policy's entropy
+        self.entropy_coef = cfg.make_entropy_coef()
+        self.coef = None  # this step's coefficient
         self.state = None  # this step's ControllerState
         self.prev = {"entropy": None, "forecast": None}  # for the measured-vs-predicted change
         # uid -> (weights row: global scope with the gate on, phi row: micro_batch scope), on the device
@@ -76,6 +85,11 @@ class StareStep:
             self.stash.clear()  # the weights change now: no stashed row may outlive this step
             self.steps += 1
         status.update(metrics)
+        if self.coef is not None:  # the bonus beside the policy loss, in OpenRLHF's own aggregation
+            bonus = self.coef * float(status.get("entropy_loss", 0.0))
+            size = abs(float(status.get("policy_loss", 0.0))) + abs(bonus)
+            status["stare/entropy_bonus"] = bonus
+            status["stare/entropy_bonus_share"] = abs(bonus) / size if size > 0 else 0.0
         if metrics and needed_stats(self.cfg)[0]:
             report = self.stash.report
             status["stare/stash_recomputed"] = float(report["recomputed"])
@@ -127,8 +141,11 @@ class StareStep:
         # across ranks, telemetry; with scope micro_batch the weights are chosen in batch_weights
         step = stare_step(self.controller, cfg, logp, adv, mask, EntropyStats(ent, -logp, phi),
                           memory=StepMemory(**self.prev), group=dp_group(self.trainer.strategy),
-                          generator=self.generator())
+                          generator=self.generator(), entropy_coef=self.entropy_coef)
         self.state = step.state
+        if step.entropy_coef is not None:  # OpenRLHF's training_step reads it for every micro-batch of the step
+            self.coef = step.entropy_coef
+            self.trainer.args.actor.entropy_coef = step.entropy_coef
         self.prev = step.memory.as_dict()
         weights = step.weights
 
@@ -186,6 +203,7 @@ class StareStep:
     # ---- what a checkpoint keeps (checkpoint.py writes and reads the files) ------------------------------------------
     def state_dict(self) -> dict:
         return {"controller": None if self.controller is None else self.controller.state_dict(),
+                "entropy_coef": None if self.entropy_coef is None else self.entropy_coef.state_dict(),
                 "prev": self.prev, "algo": self.cfg.name, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
@@ -194,5 +212,7 @@ class StareStep:
                              f"{self.cfg.name!r}")
         if self.controller is not None and state.get("controller") is not None:
             self.controller.load_state_dict(state["controller"])
+        if self.entropy_coef is not None and state.get("entropy_coef") is not None:
+            self.entropy_coef.load_state_dict(state["entropy_coef"])
         self.prev = dict(state.get("prev") or {"entropy": None, "forecast": None})
         self.steps = int(state.get("steps", 0))  # absent in states written before it
