@@ -317,13 +317,14 @@ def test_algos_settings_lists_every_key_with_defaults_and_meaning():
             rows.setdefault(cells[0], cells)
     for key in [*SETTING_NAMES, *local_keys, *SCHEMA]:
         assert key in rows, key
-    # defaults read off the registry, not off the printed table: clip_high is 0.2 for grpo/dr-grpo/kl-cov, 1 for
-    # clip-cov, 0.28 else (the table wraps the exceptions onto a second line)
+    # defaults read off the registry, not off the printed table: clip_high is 0.28 for dapo, the STARE family and
+    # 80-20, 1 for clip-cov, 0.2 else, the common value (the table wraps the exceptions onto further lines)
     assert {n: c.clip_high for n, c in ALGORITHMS.items()} == {"grpo": 0.2, "dr-grpo": 0.2, "dapo": 0.28,
                                                                "stare": 0.28, "stare-c2": 0.28, "stare-phi": 0.28,
-                                                               "clip-cov": 1.0, "kl-cov": 0.2, "80-20": 0.28}
-    assert rows["clip_high"][1] == "0.28 (grpo, dr-grpo,"
-    assert "stare algorithms" in res.stdout and "kl-cov: 0.2; clip-cov: 1)" in res.stdout
+                                                               "clip-cov": 1.0, "kl-cov": 0.2, "80-20": 0.28,
+                                                               "entropy-adaptive": 0.2, "entropy-adv": 0.2}
+    assert rows["clip_high"][1] == "0.2 (dapo, stare,"
+    assert "stare algorithms" in res.stdout and "80-20: 0.28; clip-cov: 1)" in res.stdout
     assert rows["w"][1] == "1.1 (stare-phi: 2)" and rows["std_norm"][1] == "true (dr-grpo: false)"
     steps = {p.name: p.settings["steps"] for p in local}
     assert steps["tiny-cpu"] == 200 and steps["smollm-cpu"] == 30

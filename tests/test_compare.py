@@ -100,10 +100,15 @@ def test_arms_of_one_algorithm_with_other_settings_are_separate_rows_with_one_co
     assert [r["label"] for r in rows] == [f"stare ({tmp_path / 'y' / 'stare'})", f"stare ({tmp_path / 'x' / 'stare'})"]
     groups = group_arms([load_run(tmp_path / "x" / "stare"), load_run(tmp_path / "y" / "stare")])
     assert len(groups) == 2
-    palette = list(range(10))
-    names = ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20")
-    assert [colour(a, palette) for a in names] == list(range(9))  # the registry's order (`stare algos`)
-    assert colour(None, palette) == colour("unknown", palette) == 9  # one colour past the registry's
+    from stare.cli.report.plots import palette as plot_palette
+
+    palette = list(range(20))
+    names = ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20",
+             "entropy-adaptive", "entropy-adv")
+    assert [colour(a, palette) for a in names] == list(range(11))  # the registry's order (`stare algos`)
+    assert colour(None, palette) == colour("unknown", palette) == 11  # one colour past the registry's
+    drawn = [colour(a, plot_palette()) for a in (*names, None)]  # and the plots' colours are all distinct
+    assert len(set(drawn)) == len(drawn)
 
 
 def test_a_repeated_run_is_its_own_row_not_a_duplicate_seed(tmp_path):

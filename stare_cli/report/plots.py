@@ -1,9 +1,9 @@
 """The comparison plots: one curve per arm against RL step (``entropy.png``, ``reward.png``, ...).
 
 The arms and their labels are the comparison table's (``arms.group_arms``), and each algorithm has
-one colour everywhere (``colour``: the registry's order in matplotlib's tab10 palette), so ``stare run`` and
-``stare compare`` draw GRPO, DAPO and each STARE variant alike. A curve that no run logged is not drawn: no
-empty frame is written.
+one colour everywhere (``colour``: the registry's order in ``palette()``, matplotlib's tab10 then Dark2), so
+``stare run`` and ``stare compare`` draw GRPO, DAPO and each STARE variant alike. A curve that no run logged is not
+drawn: no empty frame is written.
 """
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ def colour(algo: str | None, palette) -> tuple:
     """The algorithm's colour: its position in the registry (``stare algos``) in ``palette``; one colour for any
     other name."""
     return palette[algo_rank(algo) % len(palette)]
+
+
+def palette() -> tuple:
+    """The arms' colours: matplotlib's tab10, then Dark2's, so that every registered algorithm (11) and the colour
+    for other names are distinct."""
+    import matplotlib
+
+    return tuple(matplotlib.colormaps["tab10"].colors) + tuple(matplotlib.colormaps["Dark2"].colors)
 
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms of one algorithm (other settings) share its colour, not its line style
@@ -76,7 +84,7 @@ def plot_curves(out_dir, runs: list[Run], curves=CURVES) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_arms(runs)
-    styles = _arm_styles(groups, matplotlib.colormaps["tab10"].colors)
+    styles = _arm_styles(groups, palette())
     arms = list(zip(arm_labels(groups), groups, styles))
     band = reference_band(runs)
     preset = common(r.config.get("preset") for r in runs)
@@ -130,7 +138,7 @@ def plot_accuracy(out_dir, runs: list[Run]) -> Path | None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_arms(runs)
-    styles = _arm_styles(groups, matplotlib.colormaps["tab10"].colors)
+    styles = _arm_styles(groups, palette())
     fig = Figure(figsize=(7, 3.6 * len(keys)), dpi=110)
     FigureCanvasAgg(fig)
     for i, key in enumerate(keys):
