@@ -21,7 +21,8 @@ _LAZY = {
                 "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "token_entropy"),
     "loss": ("AGGREGATIONS", "entropy_bonus_loss", "policy_loss"),
     "selection": ("kth_largest", "reweight_stats", "reweight_sums", "stare_token_weights", "top_count"),
-    "step": ("LEGACY_NAMES", "METRIC_NAMES", "METRICS", "StepMemory", "StepResult", "batch_mean", "metrics_markdown",
+    "step": ("LEGACY_NAMES", "METRIC_NAMES", "METRICS", "StepMemory", "StepResult", "batch_mean",
+             "entropy_bonus_metrics", "metrics_markdown",
              "stare_step", "upgrade_metric_names"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
@@ -46,8 +47,9 @@ __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "AlgoConfig", "BandGate", "ControllerState", "EntropyCoef", "EntropyStats",
     "LEGACY_NAMES", "METRICS", "METRIC_NAMES", "PaperGate", "SETTING_NAMES", "StepMemory", "StepResult",
     "TOKEN_RULES", "TokenRule", "batch_mean", "check_finite", "clip_cov_seed", "clip_cov_weights",
-    "entropy_advantage_weights", "entropy_bonus_loss", "entropy_forecast_sums", "entropy_sensitivity",
-    "entropy_top_weights", "floor_count", "get_algorithm", "get_token_rule", "group_advantages", "informative_groups",
+    "entropy_advantage_weights", "entropy_bonus_loss", "entropy_bonus_metrics", "entropy_forecast_sums",
+    "entropy_sensitivity", "entropy_top_weights", "floor_count", "get_algorithm", "get_token_rule", "group_advantages",
+    "informative_groups",
     "kl_cov_coefs", "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss",
     "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "register_token_rule", "reweight_stats",
     "reweight_sums", "stare_step", "stare_token_weights", "token_covariance", "token_entropy", "top_count",

@@ -163,7 +163,7 @@ class AlgoConfig:
                              "set token_rule to none or stare to false")
         if self.stare:
             self.make_controller()  # the controller validates W, M, target and band
-        self.make_entropy_coef(check=True)  # the bonus's coefficient range
+        self._entropy_coef()  # the bonus's coefficient range (checked whether or not there is a bonus)
         return self
 
     @property
@@ -171,15 +171,14 @@ class AlgoConfig:
         """True when the loss has an entropy bonus (a coefficient above 0, or an adaptive one)."""
         return self.entropy_adaptive or self.entropy_coef > 0
 
-    def make_entropy_coef(self, check: bool = False) -> EntropyCoef | None:
-        """The entropy bonus's coefficient controller (None without a bonus; ``check``: build it anyway, for its
-        checks)."""
-        if not (self.entropy_bonus or check):
-            return None
-        coef = EntropyCoef(self.entropy_coef, adaptive=self.entropy_adaptive, target=self.entropy_target,
+    def make_entropy_coef(self) -> EntropyCoef | None:
+        """The entropy bonus's coefficient controller (None without a bonus)."""
+        return self._entropy_coef() if self.entropy_bonus else None
+
+    def _entropy_coef(self) -> EntropyCoef:
+        return EntropyCoef(self.entropy_coef, adaptive=self.entropy_adaptive, target=self.entropy_target,
                            delta=self.entropy_coef_delta, coef_min=self.entropy_coef_min,
                            coef_max=self.entropy_coef_max)
-        return coef if self.entropy_bonus else None
 
     def make_controller(self) -> PaperGate | BandGate | None:
         """The entropy controller these settings ask for (None for a baseline)."""
@@ -257,6 +256,7 @@ _STARE_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.i
 _PAPER_SETTINGS = ("target_entropy", "adaptive", "alpha", "w_max", "m_min")
 _BAND_SETTINGS = ("band_low", "band_high", "band_target", "gain", "two_sided", "damp")
 _ADAPTIVE_BONUS_SETTINGS = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+BONUS_SETTINGS = ("entropy_coef", "entropy_adaptive", *_ADAPTIVE_BONUS_SETTINGS)  # the entropy bonus's settings
 
 _DAPO_BASE = dict(clip_low=0.2, clip_high=0.28, dual_clip=10.0, agg="token-mean", dynamic_sampling=True)
 # Clip-Cov / KL-Cov as the entropy paper's scripts (verl recipe/entropy, 7B): GRPO advantages, token-mean, group

@@ -117,6 +117,13 @@ LEGACY_NAMES: dict[str, str] = {
 }
 
 
+def entropy_bonus_metrics(policy_loss: float, bonus: float) -> dict[str, float]:
+    """``stare/entropy_bonus`` and ``stare/entropy_bonus_share`` from a step's policy loss and the bonus subtracted
+    from it (each as the engine logs it), the one definition both engines use."""
+    size = abs(policy_loss) + abs(bonus)
+    return {P + "entropy_bonus": bonus, P + "entropy_bonus_share": abs(bonus) / size if size > 0 else 0.0}
+
+
 def metrics_markdown() -> str:
     """``METRICS`` as a markdown table (name, meaning), for documentation generated from, or checked against, it."""
     rows = [f"| `{name}` | {meaning} |" for name, meaning in METRICS]

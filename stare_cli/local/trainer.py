@@ -51,6 +51,7 @@ from stare.algorithms import (
     batch_mean,
     clip_cov_seed,
     entropy_bonus_loss,
+    entropy_bonus_metrics,
     entropy_sensitivity,
     group_advantages,
     informative_groups,
@@ -315,9 +316,7 @@ class LocalTrainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s["grad_clip"])
             self.opt.step()
         if coef is not None:  # the bonus's size beside the policy loss's
-            bonus = sums.setdefault("stare/entropy_bonus", 0.0)
-            size = abs(sums.get("loss", 0.0)) + abs(bonus)
-            sums["stare/entropy_bonus_share"] = abs(bonus) / size if size > 0 else 0.0
+            sums.update(entropy_bonus_metrics(sums.get("loss", 0.0), sums.get("stare/entropy_bonus", 0.0)))
         if self.s.get("same_batch_entropy", True):  # one more no-grad forward (absent in old configs: on)
             with torch.no_grad():
                 new_entropy = entropy_sensitivity(response_logits(self.model, batch, temp), actions,

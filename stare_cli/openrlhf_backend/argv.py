@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 
 from stare.algorithms import AlgoConfig
+from stare.algorithms.registry import BONUS_SETTINGS
 
 from ..gpu_schema import SettingsError, check_values  # the GPU presets' settings table
 
@@ -186,7 +187,8 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     flag("actor.max_norm", s["grad_clip"])
     # the algorithm
     flag("algo.advantage.estimator", "group_norm" if algo["std_norm"] else "dr_grpo")
-    rule = AlgoConfig(**algo).rule  # the entropy baseline's token rule ("none" for the others)
+    cfg = AlgoConfig(**algo)
+    rule = cfg.rule  # the entropy baseline's token rule ("none" for the others)
     if rule.unclipped:
         # KL-Cov's surrogate is -A r for every token: OpenRLHF's clip range made infinite (its clamp is then the
         # identity) and no dual clip; the plugin sets the same on the loss it wraps
@@ -198,7 +200,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
         if algo["dual_clip"] is not None:
             flag("actor.dual_clip", algo["dual_clip"])
     flag("actor.loss_agg_mode", AGG_MODES[algo["agg"]])
-    if AlgoConfig(**algo).entropy_bonus:
+    if cfg.entropy_bonus:
         # OpenRLHF's own entropy term (the current policy's entropy, aggregated as the loss); the plugin sets the
         # coefficient each step (entropy_adaptive: controllers.EntropyCoef), starting from this one
         flag("actor.entropy_coef", algo["entropy_coef"])
@@ -266,10 +268,9 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     elif rule.active:  # an entropy baseline: the plugin applies its token rule once per step (the dry run prints
         # the settings the rule reads)
         stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}
-    if AlgoConfig(**algo).entropy_bonus:  # the bonus's settings, beside the rest
-        stare = {"name": algo["name"], **stare, **{k: algo[k] for k in (
-            "entropy_coef", "entropy_adaptive", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
-            "entropy_coef_max")}, "telemetry": algo["telemetry"]}
+    if cfg.entropy_bonus:  # the bonus's settings, beside the rest
+        stare = {"name": algo["name"], **stare, **{k: algo[k] for k in BONUS_SETTINGS},
+                 "telemetry": algo["telemetry"]}
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            SEED_ENV: str(s["seed"]),

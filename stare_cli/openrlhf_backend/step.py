@@ -33,6 +33,7 @@ from stare.algorithms import (
     EntropyStats,
     StepMemory,
     clip_cov_seed,
+    entropy_bonus_metrics,
     reweight_stats,
     stare_step,
     stare_token_weights,
@@ -61,7 +62,6 @@ class StareStep:
         # the entropy bonus's coefficient (None: no bonus); each step's value goes to OpenRLHF's own
         # --actor.entropy_coef, which its training_step subtracts times the current policy's entropy
         self.entropy_coef = cfg.make_entropy_coef()
-        self.coef = None  # this step's coefficient
         self.state = None  # this step's ControllerState
         self.prev = {"entropy": None, "forecast": None}  # for the measured-vs-predicted change
         # uid -> (weights row: global scope with the gate on, phi row: micro_batch scope), on the device
@@ -85,11 +85,9 @@ class StareStep:
             self.stash.clear()  # the weights change now: no stashed row may outlive this step
             self.steps += 1
         status.update(metrics)
-        if self.coef is not None:  # the bonus beside the policy loss, in OpenRLHF's own aggregation
-            bonus = self.coef * float(status.get("entropy_loss", 0.0))
-            size = abs(float(status.get("policy_loss", 0.0))) + abs(bonus)
-            status["stare/entropy_bonus"] = bonus
-            status["stare/entropy_bonus_share"] = abs(bonus) / size if size > 0 else 0.0
+        if self.entropy_coef is not None:  # the bonus beside the policy loss, in OpenRLHF's own aggregation
+            bonus = self.entropy_coef.applied * float(status.get("entropy_loss", 0.0))
+            status.update(entropy_bonus_metrics(float(status.get("policy_loss", 0.0)), bonus))
         if metrics and needed_stats(self.cfg)[0]:
             report = self.stash.report
             status["stare/stash_recomputed"] = float(report["recomputed"])
@@ -144,7 +142,6 @@ class StareStep:
                           generator=self.generator(), entropy_coef=self.entropy_coef)
         self.state = step.state
         if step.entropy_coef is not None:  # OpenRLHF's training_step reads it for every micro-batch of the step
-            self.coef = step.entropy_coef
             self.trainer.args.actor.entropy_coef = step.entropy_coef
         self.prev = step.memory.as_dict()
         weights = step.weights
