@@ -138,6 +138,10 @@ RUNS = [
     Run("clip-cov", "clip-cov"),
     Run("kl-cov", "kl-cov"),
     Run("80-20", "80-20", OVERLONG),
+    # the entropy controls, on their defaults: the tiny model's batch entropy (about 0.17) is below entropy-adaptive's
+    # 0.2 target, so its bonus acts from step 1
+    Run("entropy-adaptive", "entropy-adaptive"),
+    Run("entropy-adv", "entropy-adv"),
 ]
 STEPS = {r.name: r.steps for r in RUNS}
 KILLED = [r.name for r in RUNS if r.expect_rc != 0]
@@ -630,6 +634,48 @@ def test_kl_cov_and_clip_cov_and_80_20_apply_their_rules(results):
     # 80-20 keeps the top 20% of tokens by entropy: about 80% of the response tokens are masked
     share = scalars(results["80-20"].out)["train/stare/masked_share"]
     assert all(0.6 <= v <= 0.85 for v in share.values()), share
+
+
+def test_entropy_adaptive_moves_its_coefficient_by_the_rule_and_openrlhf_applies_it(results):
+    """The coefficient's path worked out by hand from the logged batch entropies (Skywork-OR1's rule on the defaults:
+    start 0, step 0.005, within [0, 1], up and applied at or below 0.2, down and not applied above), the same
+    values in the step-2 state file, and OpenRLHF's own entropy term computed at every step."""
+    import numpy as np
+
+    r = ok(results, "entropy-adaptive")
+    tags = scalars(r.out)
+    old_entropy = tags["train/stare/entropy"]
+    coef, path = 0.0, {}
+    for step in (1, 2):
+        below = old_entropy[step] <= 0.2
+        coef = min(coef + 0.005, 1.0) if below else max(coef - 0.005, 0.0)
+        path[step] = coef if below else 0.0
+    if not any(path.values()):
+        r.fail(f"the batch entropy {old_entropy} was above 0.2 at both steps: the bonus never acted")
+    got = tags.get("train/stare/entropy_coef", {})
+    assert got == {k: float(np.float32(v)) for k, v in path.items()}, (got, path)
+    saved = json.loads((r.out / "ckpt" / "stare" / "global_step2.json").read_text())["entropy_coef"]
+    assert saved == {"kind": "entropy_coef", "coef": coef, "steps": 2, "applied": path[2]}, saved
+    # OpenRLHF computed its entropy term (--actor.entropy_coef set) on the policy it trains: at lr 1e-6 that is the
+    # old policy's batch entropy, which the plugin measured separately (token-weighted both; measured: 1e-5 apart,
+    # relative, the two bf16 forwards), and the bonus logged beside the loss is the applied coefficient times it
+    ent = tags.get("train/entropy_loss", {})
+    assert set(ent) == {1, 2}, sorted(tags)
+    for step in (1, 2):
+        assert ent[step] == pytest.approx(old_entropy[step], rel=1e-4), (ent, old_entropy)
+        assert tags["train/stare/entropy_bonus"][step] == pytest.approx(path[step] * ent[step], rel=1e-6, abs=1e-12)
+        share = tags["train/stare/entropy_bonus_share"][step]
+        assert (0 < share < 1) if path[step] else share == 0, (step, share)
+
+
+def test_entropy_adv_shapes_the_advantages_of_the_tokens_it_should(results):
+    """entropy-adv's telemetry at both steps: some tokens with A != 0 shaped (their entropy > 0), shares in [0, 1]."""
+    r = ok(results, "entropy-adv")
+    tags = scalars(r.out)
+    for tag in ("train/stare/shaped_share", "train/stare/shaping_clipped_share"):
+        assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
+        assert all(0 <= v <= 1 for v in tags[tag].values()), (tag, tags[tag])
+    assert all(v > 0 for v in tags["train/stare/shaped_share"].values()), tags["train/stare/shaped_share"]
 
 
 def test_compare_gives_the_run_a_row_with_entropy_and_reward(results, work):
