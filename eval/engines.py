@@ -1,14 +1,21 @@
-"""Several engines for one evaluation (``stare eval --engines N``): each a Ray actor holding one backend, problems
-dealt to whichever engine is free, every problem's samples handed back as soon as it completes.
+"""Several engines for one evaluation (``stare eval --engines N``): each a Ray actor holding one backend, every
+problem's samples handed back as soon as it completes.
+
+How problems are dealt follows ``--batching`` (``stare.eval.batching``): with ``all`` (or ``invariant``) the problems
+not yet done are dealt among the engines up front, in turn (problem i to engine i mod N, so each engine gets easy and
+hard ones alike), and each engine puts its whole share in flight at once (``Engine.stream``, a Ray streaming
+generator that yields each problem as it completes); with ``problem`` each engine gets one problem at a time, the next
+one queued behind it (``IN_FLIGHT``), dealt to whichever engine is free.
 
 Ray is imported here only, when a pool is made, so a one-engine evaluation never starts Ray. An engine is built in
 its actor's process by ``factory()`` (a picklable callable that returns a backend: ``HFBackend``, ``VLLMBackend``,
 or one wrapped for tool use); it asks Ray for ``gpus`` GPUs where the cluster has GPUs and for none on a CPU-only
-cluster. A problem's samples depend only on (seed, its position, k) (``problem_seed``), not on which engine draws
-them, so any N writes the same samples, in the order problems complete.
+cluster. A problem's seeds depend only on (seed, its position, k) (``problem_seed``), not on which engine draws
+them, so any N draws every sample from the same seeds (what that gives bit for bit: ``stare.eval.batching``); the
+problems come back in the order they complete.
 
-An engine that dies (its process killed, its node lost) has its unfinished problems redone on the others, with one
-warning line; when none is left the pool raises ``EngineError`` (one line). A problem that fails inside a live
+An engine that dies (its process killed, its node lost) has its unfinished problems dealt again among the others, with
+one warning line; when none is left the pool raises ``EngineError`` (one line). A problem that fails inside a live
 engine (an exception from ``generate``) stops the run as it would with one engine.
 """
 from __future__ import annotations
@@ -18,7 +25,7 @@ import os
 from collections import deque
 
 from .backends import PromptTooLong
-from .harness import stderr_warning
+from .harness import sample_stream, stderr_warning
 from .protocols import problem_seed
 
 IN_FLIGHT = 2  # problems queued per engine: the next one waits in the actor while the driver scores the last
@@ -51,7 +58,26 @@ class Engine:
         try:
             return self.backend.generate(prompt, n, proto, seed)
         except PromptTooLong as err:
-            return ("too_long", err.prompt_tokens, err.context_length)
+            return _wire(err)
+
+    def stream(self, todo: list, proto, seed: int, batching: str):
+        """Every ``(index, problem)`` of ``todo`` in flight at once on this engine (``harness.sample_stream``);
+        yields ``(index, samples)`` as each completes (called as a Ray streaming generator)."""
+        for i, result in sample_stream(self.backend, todo, proto, seed, batching):
+            yield i, _wire(result)
+
+
+def _wire(result):
+    """A result as it crosses to the driver: a ``PromptTooLong`` as a plain tuple."""
+    if isinstance(result, PromptTooLong):
+        return ("too_long", result.prompt_tokens, result.context_length)
+    return result
+
+
+def _unwire(result):
+    if isinstance(result, tuple) and result and result[0] == "too_long":
+        return PromptTooLong(result[1], result[2])
+    return result
 
 
 def one_line(exc: BaseException) -> str:
@@ -83,8 +109,8 @@ def start_ray(address: str | None, engines: int):
 
 class EnginePool:
     """``engines`` actors running ``factory``'s backend; the interface ``run_eval`` uses (``name``,
-    ``context_length``, ``prompt_text``, ``prompt_tokens``, ``tools_info``) plus ``imap``, which draws many problems
-    at once. Use as a context manager: leaving it ends the actors (and the local Ray it started)."""
+    ``context_length``, ``prompt_text``, ``prompt_tokens``, ``tools_info``) plus ``stream``, which draws many
+    problems at once. Use as a context manager: leaving it ends the actors (and the local Ray it started)."""
 
     def __init__(self, factory, engines: int, *, gpus: int = 1, ray_address: str | None = None, warn=None):
         if engines < 1:
@@ -154,10 +180,59 @@ class EnginePool:
     def prompt_tokens(self, prompt: str) -> int:
         return self._ask("prompt_tokens", prompt)
 
-    def imap(self, todo, proto, seed: int):
+    def stream(self, todo, proto, seed: int, batching: str = "all"):
         """Yield ``(index, samples)`` for every ``(index, problem)`` of ``todo`` as each completes (``samples`` is
-        what ``generate`` returns, or a ``PromptTooLong``); problem ``index`` draws from ``problem_seed(seed,
-        index, k)`` on whichever engine runs it."""
+        what ``generate`` returns, or a ``PromptTooLong``); problem ``index`` draws from ``problem_seed(seed, index,
+        k)`` on whichever engine runs it. ``batching`` ``problem``: one problem at a time per engine; else each
+        engine's share all at once (module docstring)."""
+        if batching == "problem":
+            yield from self._one_at_a_time(todo, proto, seed)
+        else:
+            yield from self._shares(todo, proto, seed, batching)
+
+    def _shares(self, todo, proto, seed: int, batching: str):
+        """Deal ``todo`` among the live engines in turn, each share in flight at once on its engine; the problems
+        of an engine that dies are dealt again among the others."""
+        from ray.exceptions import RayActorError, WorkerCrashedError
+
+        ray = self.ray
+        running: dict = {}  # streaming generator -> (engine, {index: problem} not yet returned)
+
+        def deal(items) -> None:
+            live = sorted(self.alive)
+            for n, e in enumerate(live):
+                share = items[n::len(live)]
+                if share:
+                    gen = self.actors[e].stream.options(num_returns="streaming").remote(share, proto, seed, batching)
+                    running[gen] = (e, dict(share))
+
+        deal(list(todo))
+        while running:
+            ready, _ = ray.wait(list(running), num_returns=1)
+            gen = ready[0]
+            e, left = running[gen]
+            try:
+                i, result = ray.get(next(gen))
+            except StopIteration:
+                running.pop(gen)
+                if left:  # the engine ended its share without these: a broken engine, not a lost one
+                    raise EngineError(f"engine {e + 1} of {self.engines} ended without {len(left)} of its problems")
+                continue
+            except (RayActorError, WorkerCrashedError) as exc:
+                running.pop(gen)
+                lost = [(i, p) for i, p in sorted(left.items())]
+                for other, (oe, oleft) in list(running.items()):  # every share of the dead engine
+                    if oe == e:
+                        running.pop(other)
+                        lost += sorted(oleft.items())
+                self._lost(e, exc)
+                deal(sorted(lost))
+                continue
+            left.pop(i, None)
+            yield i, _unwire(result)
+
+    def _one_at_a_time(self, todo, proto, seed: int):
+        """One problem per call, ``IN_FLIGHT`` queued per engine, each to whichever engine is free."""
         from ray.exceptions import RayActorError, WorkerCrashedError
 
         ray = self.ray
@@ -187,9 +262,7 @@ class EnginePool:
                 fill()
                 continue
             fill()
-            if isinstance(result, tuple) and result and result[0] == "too_long":
-                result = PromptTooLong(result[1], result[2])
-            yield i, result
+            yield i, _unwire(result)
 
     def close(self) -> None:
         """End the actors, and the local Ray this pool started."""

@@ -1,11 +1,15 @@
 """The run loop behind ``stare eval``: sample, score and stream every problem of a bench, resumable.
 
-One problem at a time: its k samples are generated in one call (seeded from ``seed``, the problem's position
-and k, ``stare.eval.protocols.problem_seed``, so a redone problem gives the same samples), scored with math-verify
-(``stare.eval.scoring``), and appended to ``samples.jsonl`` before the next problem starts; several engines
-(``stare.eval.engines``) draw several at once, with the same seeds, each appended as it completes. ``--resume``
-keeps every problem whose k samples are all on disk (``stare.eval.record``), drops a partly written one, and
-continues: an interrupted run (even kill -9) loses at most the problems in flight and ends with the same numbers.
+Every problem's k samples are drawn from its own seeds (``stare.eval.protocols.problem_seed``: ``seed``, its position
+and k), so a redone problem draws from the same seeds. How problems reach the engine is ``--batching``
+(``stare.eval.batching``): ``all`` hands every problem not yet done to the backend at once (``generate_many``, or an
+``EnginePool`` of several engines, ``stare.eval.engines``) and gets each back as its k samples complete; ``problem``
+asks for one problem at a time (``generate``). A scoring thread scores each finished problem with math-verify
+(``stare.eval.scoring``) and appends it to ``samples.jsonl`` (fsync) while the engine goes on generating, so a kill
+(even kill -9) loses only what was in flight. When every problem is done the file is rewritten in the bench's
+problem order, so a finished run's ``samples.jsonl`` does not depend on the order problems completed in.
+``--resume`` keeps every problem whose k samples are all on disk (``stare.eval.record``), drops a partly written
+one, and continues.
 
 A backend (``stare.eval.backends``) that raises ``PromptTooLong`` for a problem has it recorded as not attempted
 (its samples score 0) and the run goes on; a model whose context fits no problem is refused before anything is
@@ -15,10 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
+import threading
 from pathlib import Path
 
 from .backends import PromptTooLong
+from .batching import DEFAULT_BATCHING
 from .data import Problem
 from .extraction import extract_boxed
 from .protocols import Protocol, problem_seed
@@ -78,6 +85,20 @@ def one_by_one(backend, todo: list, proto: Protocol, seed: int):
             yield i, err
 
 
+def sample_stream(backend, todo: list, proto: Protocol, seed: int, batching: str = DEFAULT_BATCHING):
+    """Yield ``(index, samples)`` for every ``(index, problem)`` of ``todo``, in the order they complete:
+    ``batching`` ``problem`` (or a backend without ``generate_many``) one problem at a time, else every problem in
+    flight at once through the backend's ``generate_many``. The same seeds either way (``problem_seed``). A pool of
+    engines deals the problems itself (``EnginePool.stream``); an engine in that pool runs this on its share."""
+    if hasattr(backend, "stream"):
+        return backend.stream(todo, proto, seed, batching)
+    if batching == "problem" or not hasattr(backend, "generate_many"):
+        return one_by_one(backend, todo, proto, seed)
+    requests = ((i, backend.prompt_text(p.problem, proto.instruction), proto.k, problem_seed(seed, i, proto.k))
+                for i, p in todo)
+    return backend.generate_many(requests, proto)
+
+
 def scored_records(p: Problem, generated: list, score_timeout: float) -> list[dict]:
     """The samples.jsonl records of one problem's generated samples, scored against its answer."""
     # a tool-use backend (stare.cli.agent.multiturn) adds a dict per sample: turns, tool calls, and the final
@@ -91,15 +112,80 @@ def scored_records(p: Problem, generated: list, score_timeout: float) -> list[di
             for j, (g, text, x, ok) in enumerate(zip(generated, scored, extras, correct))]
 
 
+class _ScoreWriter:
+    """The thread that scores each finished problem and appends it to ``samples.jsonl`` (fsync), so scoring overlaps
+    generation. ``put`` hands it a problem; ``close`` waits for what was handed over. An error in the thread
+    (``ScoringError``, a full disk) stops it and is raised again by the next ``put`` or by ``close``."""
+
+    _END = object()
+
+    def __init__(self, f, problems: list[Problem], proto: Protocol, results: dict, *, score_timeout: float, warn,
+                 progress):
+        self.f, self.problems, self.proto, self.results = f, problems, proto, results
+        self.score_timeout, self.warn, self.progress = score_timeout, warn, progress
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="stare-eval-scoring", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is self._END or self.error is not None:
+                if item is self._END:
+                    return
+                continue
+            try:
+                self._write(*item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self.error = exc
+
+    def _write(self, i: int, generated) -> None:
+        p = self.problems[i]
+        if isinstance(generated, PromptTooLong):
+            self.warn(f"problem {p.id}: {generated}, so it is not attempted (its {self.proto.k} samples score 0)")
+            recs = not_attempted_records(p, self.proto.k, generated)
+        else:
+            recs = scored_records(p, generated, self.score_timeout)
+        self.f.write("".join(json.dumps(r) + "\n" for r in recs))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.results[p.id] = recs
+        if self.progress:
+            self.progress(self.proto.k)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, i: int, generated) -> None:
+        self._raise()
+        self.queue.put((i, generated))
+
+    def close(self) -> None:
+        """Score and write everything handed over, then end the thread (also on the way out of an interruption:
+        the problems already generated are kept)."""
+        self.queue.put(self._END)
+        self.thread.join()
+        self._raise()
+
+
+def write_in_order(samples_path: Path, problems: list[Problem], results: dict) -> None:
+    """Rewrite ``samples.jsonl`` with every problem's samples in the bench's problem order (atomically)."""
+    tmp = samples_path.with_name(samples_path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for p in problems for r in results.get(p.id, [])))
+    os.replace(tmp, samples_path)
+
+
 def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, bench: str, model: str, seed: int,
              resume: bool, progress=None, score_timeout: float = 5.0, warn=None, data: str | None = None,
-             tools: str | None = None) -> dict:
+             tools: str | None = None, batching: str = DEFAULT_BATCHING) -> dict:
     """Sample, score and stream every problem (see the module docstring); ``warn(message)`` gets the one-line
     warnings (a protocol longer than the context, a problem not attempted; default: stderr). ``EvalRefused``
     before anything is written: ``resume`` with other settings than the folder's (``check_resume``), a model whose
     context fits no problem (``check_fits``)."""
     warn = warn or stderr_warning
-    record = eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools)
+    record = eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools, batching=batching)
     samples_path = out / "samples.jsonl"
     if resume:
         check_resume(out, record)
@@ -118,23 +204,19 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
             if p.id in results:
                 progress(proto.k)
     todo = [(i, p) for i, p in enumerate(problems) if p.id not in results]
-    # several engines (stare.eval.engines.EnginePool) draw problems at once and hand them back as each completes
-    stream = backend.imap(todo, proto, seed) if hasattr(backend, "imap") else one_by_one(backend, todo, proto, seed)
     with open(samples_path, "a") as f:
-        for i, generated in stream:
-            p = problems[i]
-            if isinstance(generated, PromptTooLong):
-                warn(f"problem {p.id}: {generated}, so it is not attempted (its {proto.k} samples score 0)")
-                recs = not_attempted_records(p, proto.k, generated)
-            else:
-                recs = scored_records(p, generated, score_timeout)
-            f.write("".join(json.dumps(r) + "\n" for r in recs))
-            f.flush()
-            os.fsync(f.fileno())
-            results[p.id] = recs
-            if progress:
-                progress(proto.k)
+        writer = _ScoreWriter(f, problems, proto, results, score_timeout=score_timeout, warn=warn, progress=progress)
+        stream = sample_stream(backend, todo, proto, seed, batching)
+        try:
+            for i, generated in stream:
+                writer.put(i, generated)
+        finally:
+            if hasattr(stream, "close"):  # a generator stopped early aborts the requests still in its engine
+                stream.close()
+            writer.close()
+    write_in_order(samples_path, problems, results)
     # of the samples generated: a problem not attempted (its prompt longer than the context) has no response to judge
     warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, []) if not r.get("not_attempted")])
     return summarise(problems, results, proto, bench=bench, model=model, backend=backend.name, seed=seed, out=out,
-                     tools=getattr(backend, "tools_info", None), engines=getattr(backend, "engines", 1))
+                     tools=getattr(backend, "tools_info", None), engines=getattr(backend, "engines", 1),
+                     batching=batching)

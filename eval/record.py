@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from .jsonl import read_cut_jsonl
+from .batching import BATCHING, DEFAULT_BATCHING, LEGACY_BATCHING
 from .protocols import Protocol
 
 class EvalRefused(ValueError):
@@ -23,21 +24,24 @@ class EvalRefused(ValueError):
 
 RECORD = "eval_settings.json"  # the settings an output folder's samples were drawn with, written before the first
 # sample; --resume must ask for the same (summary.json holds them too, for folders from before this file)
-RECORD_KEYS = ("protocol", "k", "temperature", "top_p", "max_tokens", "seed", "model", "bench", "data", "tools")
+RECORD_KEYS = ("protocol", "k", "temperature", "top_p", "max_tokens", "seed", "model", "bench", "data", "tools",
+               "batching")
 
 
 def eval_record(proto: Protocol, *, seed: int, model: str, bench: str, data: str | None = None,
-                tools: str | None = None) -> dict:
-    """What the samples of an output folder depend on (``RECORD_KEYS``); a local model folder as its full path."""
+                tools: str | None = None, batching: str = DEFAULT_BATCHING) -> dict:
+    """What the samples of an output folder depend on (``RECORD_KEYS``); a local model folder as its full path.
+    ``batching`` (``stare.eval.batching``) goes in with the promise it makes (``batching_contract``, for a reader;
+    not compared on ``--resume``)."""
     model_id = str(Path(model).resolve()) if Path(model).exists() else model
     return {"protocol": proto.name, "k": proto.k, "temperature": proto.temperature, "top_p": proto.top_p,
             "max_tokens": proto.max_tokens, "seed": seed, "model": model_id, "bench": bench, "data": data,
-            "tools": tools}
+            "tools": tools, "batching": batching, "batching_contract": BATCHING[batching]}
 
 
 _FLAGS = {"protocol": "--protocol", "k": "--k", "temperature": "--temperature", "top_p": "--top-p",
           "max_tokens": "--max-tokens", "seed": "--seed", "model": "--model", "bench": "--bench",
-          "data": "--data-file", "tools": "--tools"}
+          "data": "--data-file", "tools": "--tools", "batching": "--batching"}
 
 
 def _old_record(out: Path) -> dict | None:
@@ -62,6 +66,20 @@ def _old_record(out: Path) -> dict | None:
     return None
 
 
+def recorded_batching(out: Path) -> str | None:
+    """The ``--batching`` the samples in ``out`` were drawn with: its record's, ``problem`` for samples written
+    before the mode was recorded, None for a folder without samples or a record naming one."""
+    try:
+        old = _old_record(out)
+    except EvalRefused:
+        return None
+    if old is not None and old.get("batching"):
+        return old["batching"]
+    if (out / "samples.jsonl").is_file() or (out / "summary.json").is_file():
+        return LEGACY_BATCHING
+    return None
+
+
 def read_samples(samples_path: Path) -> tuple[list[dict], bool]:
     """The records of ``samples.jsonl`` and whether its last line was cut by a kill (then dropped). A corrupt
     line before the last is ``EvalRefused`` naming the file and line."""
@@ -78,6 +96,8 @@ def check_resume(out: Path, record: dict) -> None:
     records = read_samples(samples)[0] if samples.is_file() else []
     if old is None and records:  # no record at all: the samples still say k
         old = {"k": max(int(r["sample_idx"]) for r in records) + 1}
+    if old is not None and (old.get("batching") is None) and (records or (out / "summary.json").is_file()):
+        old["batching"] = LEGACY_BATCHING  # samples drawn before --batching existed: one problem at a time
     for key in RECORD_KEYS:
         if old is None or key not in old or old[key] is None and key not in ("data", "tools"):
             continue

@@ -98,7 +98,7 @@ def outcome_md(summary: dict) -> list[tuple[str, str]]:
 
 
 def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed, out: Path, tools=None,
-              engines: int = 1) -> dict:
+              engines: int = 1, batching: str | None = None) -> dict:
     ordered = [results[p.id] for p in problems]
     correct = [[r["correct"] for r in recs] for recs in ordered]
     extracted = [[r["extracted"] for r in recs] for recs in ordered]
@@ -112,6 +112,7 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
         **outcome_fields(problems, ordered),
         "versions": versions(),
         "engines": engines,  # how many engines drew the samples (the last run's, after --resume); not the numbers
+        "batching": batching,  # --batching (stare.eval.batching): what the samples promise across resume and engines
     })
     extra_rows = outcome_md(summary)
     if tools is not None:  # --tools: the tool settings, the mean turns / tool calls per sample, the sandbox
@@ -129,6 +130,7 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
     write_summary(out, summary, title=f"{bench}: {model}",
                   setup=f"protocol {proto.name}: k {k}, temperature {proto.temperature}, top_p {proto.top_p}, "
                         f"max tokens {proto.max_tokens}; backend {backend}"
-                        + (f" x {engines} engines" if engines > 1 else "") + f"; seed {seed}; {len(problems)} problems",
+                        + (f" x {engines} engines" if engines > 1 else "")
+                        + (f", batching {batching}" if batching else "") + f"; seed {seed}; {len(problems)} problems",
                   extra_rows=extra_rows)
     return summary

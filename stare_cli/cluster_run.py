@@ -41,22 +41,25 @@ KEPT, RESUME, NEW = "kept", "resume", "new"
 
 @dataclass
 class EvalOptions:
-    """What every evaluation of the run is asked for (``stare eval``'s flags); None: the protocol's."""
+    """What every evaluation of the run is asked for (``stare eval``'s flags); None: the protocol's (k, max tokens),
+    the layout ``eval_layout`` picks (engines, tp), ``stare eval``'s own (backend, batching)."""
     benches: list[str]
     protocol: str
     k: int | None = None
     max_tokens: int | None = None
     limit: int | None = None
     backend: str | None = None
-    engines: int = 1
-    tp: int = 1
+    engines: int | None = None
+    tp: int | None = None
     seed: int = 0  # the sampling seed: the same for every arm, so the arms are compared on the same draws
+    batching: str | None = None
 
     def flags(self, ray_address: str | None) -> list[str]:
         out = ["--protocol", self.protocol, "--seed", str(self.seed), "--engines", str(self.engines),
                "--tp", str(self.tp)]
         for flag, value in (("--k", self.k), ("--max-tokens", self.max_tokens), ("--limit", self.limit),
-                            ("--backend", self.backend), ("--ray-address", ray_address)):
+                            ("--backend", self.backend), ("--batching", self.batching),
+                            ("--ray-address", ray_address)):
             if value is not None:
                 out += [flag, str(value)]
         return out
@@ -112,6 +115,9 @@ class ClusterPlan:
     def to_json(self) -> dict:
         return {"preset": self.preset, "out": str(self.out), "arms": self.arms, "seeds": self.seeds,
                 "benches": self.evals.benches, "parallel": self.parallel, "ray_address": self.ray_address,
+                "eval_layout": {"engines": self.evals.engines, "tp": self.evals.tp,
+                                "gpus": self.evals.engines * (1 if self.evals.backend == "hf" else self.evals.tp),
+                                "batching": self.evals.batching or "all (or an interrupted evaluation's own)"},
                 "gpus_per_arm": self.gpus_per_arm, "steps": [s.to_json() for s in self.steps],
                 "comparison": str(self.out / "comparison.md"),
                 "kept": sum(s.state == KEPT for s in self.steps), "to_run": sum(s.state != KEPT for s in self.steps)}
@@ -132,6 +138,19 @@ def gpus_per_arm(settings: dict, evals: EvalOptions) -> int:
     return max(train, evals.engines * evals.tp)
 
 
+def eval_layout(settings: dict, evals: EvalOptions, ray_address: str | None) -> EvalOptions:
+    """``evals`` with its engines and tensor parallelism filled in where not given: tp the preset's
+    ``vllm_tensor_parallel`` (what its rollouts ran the model at, so it holds it), engines as many as the GPUs hold
+    at that tp: the preset's node (``gpus_per_node``), or every node (``x nodes``) on the ``--ray-address`` cluster,
+    where one ``stare eval`` spreads its engines over the nodes. The HF backend takes one GPU per engine."""
+    from dataclasses import replace
+
+    tp = evals.tp or (1 if evals.backend == "hf" else settings["vllm_tensor_parallel"])
+    gpus = settings["gpus_per_node"] * (settings["nodes"] if ray_address else 1)
+    per_engine = 1 if evals.backend == "hf" else tp
+    return replace(evals, tp=tp, engines=evals.engines or max(1, gpus // per_engine))
+
+
 def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
     """What ``stare eval`` would refuse for these options on any model (``CliError``): each benchmark and its
     problems, the backend, the engines, the protocol with its overrides."""
@@ -140,12 +159,17 @@ def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
     from stare.eval.backends import check_backend
     from stare.eval.protocols import resolve_protocol
 
+    from stare.eval.batching import check_batching
+
     from .eval_plan import check_engines, check_harness
 
     try:
         if evals.backend is not None:
             check_backend(evals.backend)
-        check_engines(evals.engines, ray_address, "stare")
+        if evals.batching is not None:
+            check_batching(evals.batching, evals.backend)
+        # Ray itself is checked when the run starts (every training needs it), not by the plan: --dry-run needs none
+        check_engines(evals.engines, ray_address, "stare", require_ray=False)
         resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
         for bench in evals.benches:
             if bench not in BENCHES:
@@ -163,16 +187,18 @@ def _eval_state(run_dir: Path, bench: str, evals: EvalOptions, seed: int) -> str
     has_summary, has_samples = (folder / "summary.json").is_file(), (folder / "samples.jsonl").is_file()
     if not (has_summary or has_samples):
         return NEW
+    from stare.eval.batching import DEFAULT_BATCHING
     from stare.eval.data import local_data_file
     from stare.eval.protocols import resolve_protocol
-    from stare.eval.record import EvalRefused, check_resume, eval_record
+    from stare.eval.record import EvalRefused, check_resume, eval_record, recorded_batching
 
     proto = resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
     local = local_data_file(bench, None)
     data = str(Path(local).resolve()) if local is not None else "hub"
+    batching = evals.batching or recorded_batching(folder) or DEFAULT_BATCHING  # as stare eval --resume decides
     try:
         check_resume(folder, eval_record(proto, seed=evals.seed, model=str(run_dir / "final"), bench=bench,
-                                         data=data, tools=None))
+                                         data=data, tools=None, batching=batching))
     except EvalRefused as exc:
         raise CliError(str(exc)) from None
     return KEPT if has_summary else RESUME
@@ -207,6 +233,7 @@ def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], ev
     if parallel > 1 and not ray_address:
         raise CliError(f"--parallel {parallel}: arms run at once only on a Ray cluster with the GPUs for them; give "
                        "--ray-address (without it each arm's stare train starts a Ray head of its own on this node)")
+    evals = eval_layout(arm_set.settings, evals, ray_address)
     check_eval_options(evals, ray_address)
     preset = str(Path(preset_arg).absolute()) if Path(preset_arg).is_file() else preset_arg
     base_seed = arm_set.settings["seed"]

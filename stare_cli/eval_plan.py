@@ -94,11 +94,32 @@ def check_tool_isolation(tool_config) -> str:
         raise CliError(str(exc)) from None
 
 
-def check_engines(engines: int, ray_address: str | None, harness: str) -> None:
-    """``--engines`` is a count >= 1 and ``--ray-address`` a non-empty address; both need the stare harness, and
-    Ray when either asks for it."""
-    if not isinstance(engines, int) or engines < 1:
-        raise ValueError(f"--engines {engines}: expected a number of engines >= 1 (1: this process, no Ray)")
+AUTO = "auto"  # --engines auto: as many engines as the GPUs hold (auto_layout)
+
+
+def parse_engines(value) -> int | str:
+    """``--engines``: a count >= 1, or ``auto``; ``ValueError`` (one line) otherwise."""
+    if value == AUTO:
+        return AUTO
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1:
+        raise ValueError(f"--engines {value}: expected a number of engines >= 1 (1: this process, no Ray) or auto "
+                         "(as many as this machine's GPUs, or the --ray-address cluster's, hold at --tp)")
+    return count
+
+
+def check_engines(engines, ray_address: str | None, harness: str, *, require_ray: bool = True) -> None:
+    """``--engines`` is a count >= 1 (or ``auto``) and ``--ray-address`` a non-empty address; both need the stare
+    harness, and Ray when either asks for it (``require_ray``: checked here; ``auto`` needs Ray only where it finds
+    several GPUs, which ``auto_layout`` decides when the run starts)."""
+    engines = parse_engines(engines)
+    if engines == AUTO:
+        if harness != "stare":
+            raise ValueError("--engines auto works with --harness stare only; lm-eval runs its own single model")
+        engines = 1
     if ray_address is not None and not ray_address.strip():
         raise ValueError("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start "
                          "a local Ray)")
@@ -107,6 +128,8 @@ def check_engines(engines: int, ray_address: str | None, harness: str) -> None:
     flag = f"--engines {engines}" if engines > 1 else f"--ray-address {ray_address}"
     if harness != "stare":
         raise ValueError(f"{flag} works with --harness stare only; lm-eval runs its own single model")
+    if not require_ray:
+        return
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
@@ -114,12 +137,13 @@ def check_engines(engines: int, ray_address: str | None, harness: str) -> None:
                        "(pip install 'ray[default]==2.55.0')", code=1)
 
 
-def build_engine(backend: str, model: str, tp: int, seed: int, tools: str | None = None, tool_config=None):
+def build_engine(backend: str, model: str, tp: int, seed: int, tools: str | None = None, tool_config=None,
+                 batching: str = "all"):
     """The backend ``stare eval`` samples with (wrapped for tool use with ``tools``); with several engines each Ray
     actor calls it in its own process."""
     from stare.eval.backends import make_backend
 
-    engine = make_backend(backend, model, tp, seed)
+    engine = make_backend(backend, model, tp, seed, batching)
     if tools is not None:
         from .agent.multiturn import ToolUseBackend
 
@@ -144,8 +168,9 @@ class EvalPlan:
     problems: list | None  # the problems (None: lm-eval reads the hub itself)
     tools: str | None
     tool_config: object | None  # stare.cli.agent.loop.ToolConfig with --tools
-    engines: int = 1  # --engines: Ray actors, each with its own backend (stare.eval.engines)
+    engines: int | str = 1  # --engines: Ray actors, each with its own backend (stare.eval.engines); or auto
     ray_address: str | None = None  # --ray-address: the cluster they run on (None: a local Ray, when engines > 1)
+    batching: str = "all"  # --batching (stare.eval.batching): how problems reach the engine, and what that promises
 
     @property
     def how(self) -> str:
@@ -155,13 +180,15 @@ class EvalPlan:
 def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str, k: int | None,
               temperature: float | None, top_p: float | None, max_tokens: int | None, backend: str | None,
               harness: str, tp: int, data_file, limit: int | None, seed: int, resume: bool,
-              tools: str | None, engines: int = 1, ray_address: str | None = None) -> EvalPlan:
+              tools: str | None, engines: int | str = 1, ray_address: str | None = None,
+              batching: str | None = None) -> EvalPlan:
     """Every check ``stare eval`` makes before a model is loaded or anything is written, in this order."""
     from stare.eval import BENCHES, load_bench
     from stare.eval.data import local_data_file
     from stare.eval.backends import check_backend, default_backend
+    from stare.eval.batching import DEFAULT_BATCHING, check_batching
     from stare.eval.protocols import resolve_protocol
-    from stare.eval.record import EvalRefused, check_resume, eval_record
+    from stare.eval.record import EvalRefused, check_resume, eval_record, recorded_batching
 
     if bench not in BENCHES:
         raise CliError(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
@@ -171,7 +198,12 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
         if backend is not None:
             check_backend(backend)
         check_engines(engines, ray_address, harness)
+        engines = parse_engines(engines)
         check_harness(harness, bench, resume=resume, tools=tools)
+        if batching is not None:
+            check_batching(batching, backend)
+        if batching not in (None, DEFAULT_BATCHING) and harness != "stare":
+            raise ValueError(f"--batching {batching} is for --harness stare; lm-eval batches its own requests")
         if tools is not None:
             from .agent.loop import ToolConfig
 
@@ -180,6 +212,12 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     except ValueError as exc:
         raise CliError(str(exc)) from None
     backend = backend or default_backend()
+    if batching is None:  # --resume continues with the folder's mode; a new evaluation takes the default
+        batching = (recorded_batching(out_dir) if resume and harness == "stare" else None) or DEFAULT_BATCHING
+    try:
+        check_batching(batching, backend)  # the default backend, now that it is known
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     errors.check_out_dir(out_dir)
     check_free(out_dir)  # another process writing there: refused before its samples are read
     problems = None
@@ -193,7 +231,8 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     data = str(Path(local).resolve()) if local is not None else "hub"
     if resume and harness == "stare":  # the folder's settings, before any model is loaded or anything written
         try:
-            check_resume(out_dir, eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools))
+            check_resume(out_dir, eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools,
+                                              batching=batching))
         except EvalRefused as exc:
             raise CliError(str(exc)) from None
     if (out_dir / "samples.jsonl").exists() and not resume:
@@ -207,7 +246,7 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     if tool_config is not None:  # the sandbox's isolation here (namespaces unless asked otherwise), before loading
         check_tool_isolation(tool_config)
     return EvalPlan(bench, model, out_dir, proto, backend, harness, tp, seed, resume, limit, local, data, problems,
-                    tools, tool_config, engines, ray_address)
+                    tools, tool_config, engines, ray_address, batching)
 
 
 def run_eval_plan(plan: EvalPlan, console) -> dict:
@@ -238,10 +277,13 @@ def _run_eval_plan(plan: EvalPlan, console) -> dict:
                                data_file=plan.local, limit=plan.limit, seed=plan.seed)
         except LmEvalError as exc:
             raise CliError(str(exc)) from None
+    if plan.engines == AUTO:
+        plan.engines, plan.tp = auto_layout(plan, console)
     if plan.engines > 1 or plan.ray_address is not None:
         return run_on_engines(plan, console)
     try:
-        engine = build_engine(plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config)
+        engine = build_engine(plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config,
+                              plan.batching)
     except ValueError as exc:  # e.g. STARE_TOOL_FORMAT=chat with a tokenizer that has no chat template
         raise CliError(str(exc)) from None
     stopping.reclaim()  # an engine's library may have set handlers of its own
@@ -262,10 +304,68 @@ def run_with_progress(plan: EvalPlan, engine, console) -> dict:
         try:
             return run_eval(plan.problems, engine, proto, plan.out, bench=plan.bench, model=plan.model,
                             seed=plan.seed, resume=plan.resume, progress=lambda n: progress.advance(task, n),
-                            data=plan.data, tools=plan.tools)
+                            data=plan.data, tools=plan.tools, batching=plan.batching)
         except EvalRefused as exc:
             progress.stop()
             errors.fail(str(exc))  # printed here, under the stopped bar, as the bar closes
+
+
+WEIGHT_SHARE = 0.75  # --engines auto: a model's weights may take this share of a GPU (the rest: KV cache, activations)
+
+
+def weight_bytes(model: str) -> int | None:
+    """The bytes of a local model folder's weight files (``*.safetensors``, else ``*.bin``), None for a hub id or a
+    folder without them."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files) or None
+
+
+def needed_tp(weights: int | None, gpu_bytes: int | None, tp: int, gpus: int) -> int:
+    """The smallest power of two >= ``tp`` (and <= ``gpus``) at which a share of ``weights`` fits ``WEIGHT_SHARE`` of
+    one GPU; ``tp`` when either size is unknown. A rough floor: the KV cache a response needs is not counted."""
+    if not weights or not gpu_bytes:
+        return tp
+    while weights / tp > WEIGHT_SHARE * gpu_bytes and tp * 2 <= max(gpus, 1):
+        tp *= 2
+    return tp
+
+
+def auto_layout(plan: EvalPlan, console) -> tuple[int, int]:
+    """``--engines auto``: (engines, tp) for the GPUs here (``torch.cuda``) or, with ``--ray-address``, the cluster's
+    (Ray's ``cluster_resources``): tp at least ``--tp`` and at least what the model's weights need
+    (``needed_tp``), engines as many as the GPUs hold at that tp (the HF backend: one GPU each); one engine, and no
+    Ray, where there is no GPU. One line says what was chosen."""
+    import torch
+
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    if plan.ray_address is not None:
+        from stare.eval.engines import start_ray
+
+        ray, own = start_ray(plan.ray_address, 1)
+        try:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+        finally:
+            if own:
+                ray.shutdown()
+    else:
+        gpus = torch.cuda.device_count()
+    if gpus == 0:
+        console.print("--engines auto: no GPU here, so one engine in this process", markup=False, highlight=False)
+        return 1, plan.tp
+    per_engine = 1
+    tp = plan.tp
+    if plan.backend == "vllm":
+        tp = needed_tp(weight_bytes(plan.model), gpu_bytes, plan.tp, gpus)
+        per_engine = tp
+    engines = max(1, gpus // per_engine)
+    where = f"the Ray cluster at {plan.ray_address}" if plan.ray_address else "this machine"
+    console.print(f"--engines auto: {engines} engine(s) x {per_engine} GPU(s) on the {gpus} GPU(s) of {where}"
+                  + (f" (tp {tp}: the model's weights need it)" if tp > plan.tp else ""), markup=False,
+                  highlight=False)
+    return engines, tp
 
 
 def run_on_engines(plan: EvalPlan, console) -> dict:
@@ -276,7 +376,8 @@ def run_on_engines(plan: EvalPlan, console) -> dict:
 
     from stare.eval.engines import EngineError, EnginePool
 
-    factory = partial(build_engine, plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config)
+    factory = partial(build_engine, plan.backend, plan.model, plan.tp, plan.seed, plan.tools, plan.tool_config,
+                      plan.batching)
     gpus = plan.tp if plan.backend == "vllm" else 1  # per engine, where the cluster has GPUs
     try:
         with EnginePool(factory, plan.engines, gpus=gpus, ray_address=plan.ray_address) as pool:

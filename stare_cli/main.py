@@ -236,8 +236,14 @@ def run(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="GPU presets: run every training and "
                                               "evaluation on this Ray cluster (HOST:PORT, ray://HOST:PORT or auto). "
                                               "Default: each starts a Ray head on this node."),
-    engines: int = typer.Option(1, "--engines", min=1, help="GPU presets, evaluation: engines per stare eval."),
-    tp: int = typer.Option(1, "--tp", min=1, help="GPU presets, evaluation: tensor parallel size per engine."),
+    engines: Optional[int] = typer.Option(None, "--engines", min=1, help="GPU presets, evaluation: engines per stare "
+                                          "eval (default: as many as the GPUs hold at --tp: the preset's node, or "
+                                          "all its nodes with --ray-address)."),
+    tp: Optional[int] = typer.Option(None, "--tp", min=1, help="GPU presets, evaluation: tensor parallel size per "
+                                     "engine (default: the preset's vllm_tensor_parallel, which holds its model)."),
+    batching: Optional[str] = typer.Option(None, "--batching", help="GPU presets, evaluation: stare eval's --batching "
+                                           "(all, invariant, problem; default all, or an interrupted evaluation's "
+                                           "own)."),
     backend: Optional[str] = typer.Option(None, "--backend", help="GPU presets, evaluation: vllm or hf (default: "
                                           "stare eval's)."),
     k: Optional[int] = typer.Option(None, "--k", min=1, help="GPU presets, evaluation: samples per problem "
@@ -268,12 +274,12 @@ def run(
     if arm_set.backend == "openrlhf":
         _run_cluster(arm_set, out, preset=preset, sets=set_ or [], parallel=parallel or 1, resume=resume,
                      dry_run=dry_run, bench=bench, ray_address=ray_address, engines=engines, tp=tp, backend=backend,
-                     k=k, max_tokens=max_tokens, limit=limit)
+                     k=k, max_tokens=max_tokens, limit=limit, batching=batching)
         return
     given = [flag for flag, value in (("--bench", bench), ("--ray-address", ray_address), ("--backend", backend),
                                       ("--k", k), ("--max-tokens", max_tokens), ("--limit", limit),
-                                      ("--engines", None if engines == 1 else engines),
-                                      ("--tp", None if tp == 1 else tp)) if value is not None]
+                                      ("--engines", engines), ("--tp", tp), ("--batching", batching))
+             if value is not None]
     if given:
         fail(f"{given[0]} is for GPU presets; {arm_set.preset!r} is a local preset, evaluated on its own held-out "
              "problems (its eval_* settings)")
@@ -294,8 +300,9 @@ def run(
 
 
 def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: int, resume: bool, dry_run: bool,
-                 bench: Optional[str], ray_address: Optional[str], engines: int, tp: int, backend: Optional[str],
-                 k: Optional[int], max_tokens: Optional[int], limit: Optional[int]) -> None:
+                 bench: Optional[str], ray_address: Optional[str], engines: Optional[int], tp: Optional[int],
+                 backend: Optional[str], k: Optional[int], max_tokens: Optional[int], limit: Optional[int],
+                 batching: Optional[str]) -> None:
     """``stare run`` on a GPU preset (``stare.cli.cluster_run``): plan, then train, evaluate and compare."""
     from . import cluster_run as cr
     from .folder_lock import check_free, hold
@@ -310,7 +317,7 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
     if not benches or len(set(benches)) != len(benches):
         fail(f"--bench {benches_text!r}: expected distinct comma-separated benchmarks, e.g. aime24,aime25")
     evals = cr.EvalOptions(benches, settings["eval_protocol"], k=k, max_tokens=max_tokens, limit=limit,
-                           backend=backend, engines=engines, tp=tp)
+                           backend=backend, engines=engines, tp=tp, batching=batching)
     if not dry_run:
         check_free(out)  # another process writing there: refused before its folders are read
     plan = cr.plan_cluster_run(arm_set, out, preset_arg=preset, sets=sets, evals=evals, ray_address=ray_address,
@@ -366,9 +373,23 @@ def eval_(
     harness: str = typer.Option("stare", "--harness", help="stare (this project's harness) or lm-eval (the "
                                                            "shipped lm-eval tasks, aime24 and aime25)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size (vllm): GPUs per engine."),
-    engines: int = typer.Option(1, "--engines", help="Engines drawing problems at once, each a Ray actor on --tp "
-                                                     "GPUs (8 GPUs: --engines 8 --tp 1 or --engines 4 --tp 2). The "
-                                                     "samples are the same for any count; 1 runs here without Ray."),
+    engines: str = typer.Option("1", "--engines", help="Engines drawing problems at once, each a Ray actor on --tp "
+                                                       "GPUs (8 GPUs: --engines 8 --tp 1 or --engines 4 --tp 2), or "
+                                                       "auto: as many as this machine's GPUs (or the --ray-address "
+                                                       "cluster's) hold at --tp or the tp the model's weights need. "
+                                                       "Every sample keeps its seed for any count (see --batching); "
+                                                       "1 runs here without Ray."),
+    batching: Optional[str] = typer.Option(None, "--batching", help="How problems reach the engine, and what that "
+                                                                     "promises "
+                                                         "across --resume and --engines. all: every remaining "
+                                                         "problem in flight at once, each written as it completes "
+                                                         "(the engine's speed; bit-exact only where the engine's "
+                                                         "arithmetic ignores the batch, e.g. vLLM on CPU, not on "
+                                                         "GPUs). invariant: all with vLLM's batch-invariant kernels "
+                                                         "(CUDA GPUs): bit-exact, slower. problem: one problem at a "
+                                                         "time per engine: bit-exact on any device, slowest. Default: "
+                                                         "all, or with --resume the folder's (eval_settings.json), "
+                                                         "which --resume refuses to change."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Run the engines on this Ray cluster "
                                                                           "(HOST:PORT, ray://HOST:PORT or auto). "
                                                                           "Default: a local Ray when --engines > 1."),
@@ -409,14 +430,15 @@ def eval_(
         plans = plan_sweep(out=out, spec=checkpoints, bench=bench, model=model, harness=harness, resume=resume,
                            protocol=protocol, k=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            backend=backend, tp=tp, data_file=data_file, limit=limit, seed=seed, tools=tools,
-                           engines=engines, ray_address=ray_address)
+                           engines=engines, ray_address=ray_address, batching=batching)
         for p, summary in run_sweep(plans, console):
             console.print(f"{bench} step {p.step}: {scores_line(summary)}  -> {escape(str(p.plan.out))}/summary.md")
         return
 
     plan = plan_eval(bench=bench, model=model, out=out, protocol=protocol, k=k, temperature=temperature, top_p=top_p,
                      max_tokens=max_tokens, backend=backend, harness=harness, tp=tp, data_file=data_file, limit=limit,
-                     seed=seed, resume=resume, tools=tools, engines=engines, ray_address=ray_address)
+                     seed=seed, resume=resume, tools=tools, engines=engines, ray_address=ray_address,
+                     batching=batching)
     summary = run_eval_plan(plan, console)
     console.print(f"{bench} ({summary['n_problems']} problems, {plan.how}): {scores_line(summary)}  -> "
                   f"{escape(str(plan.out))}/summary.md")

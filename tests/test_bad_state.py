@@ -212,10 +212,16 @@ def test_a_folder_from_before_the_record_is_checked_against_its_summary_and_samp
     (out / record.RECORD).unlink()
     with pytest.raises(record.EvalRefused, match="--k 3: .*with k 2"):
         record.check_resume(out, {**rec, "k": 3})  # from summary.json
+    # such a folder was drawn one problem at a time: resumed with that mode, refused with another
+    with pytest.raises(record.EvalRefused, match="--batching all: .*with batching problem"):
+        record.check_resume(out, {**rec, "batching": "all"})
     (out / "summary.json").unlink()
     with pytest.raises(record.EvalRefused, match="--k 3: .*with k 2"):
         record.check_resume(out, {**rec, "k": 3})  # from the samples' indices
-    record.check_resume(out, rec)
+    with pytest.raises(record.EvalRefused, match="--batching all: .*with batching problem"):
+        record.check_resume(out, {**rec, "batching": "all"})
+    assert record.recorded_batching(out) == "problem"
+    record.check_resume(out, {**rec, "batching": "problem"})
 
 
 def test_a_cut_last_samples_line_is_dropped_with_one_warning_and_redone(evaluated):

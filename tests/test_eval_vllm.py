@@ -57,10 +57,11 @@ def test_vllm_backend_matches_the_hf_path(model_dirs, tmp_path, monkeypatch):
     generated = {}  # prompt ids -> the k rows of new tokens the HF model generated
     original = GenerationMixin.generate
 
-    def spy(self, *args, **kwargs):
+    def spy(self, *args, **kwargs):  # one call holds the rows of several problems, left-padded
         out = original(self, *args, **kwargs)
-        prompt = kwargs["input_ids"][0].tolist()
-        generated[tuple(prompt)] = out[:, len(prompt):].tolist()
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        for row, keep, new in zip(ids.tolist(), mask.tolist(), out[:, ids.shape[1]:].tolist()):
+            generated.setdefault(tuple(t for t, m in zip(row, keep) if m), []).append(new)
         return out
 
     monkeypatch.setattr(GenerationMixin, "generate", spy)
@@ -80,11 +81,15 @@ def test_vllm_backend_matches_the_hf_path(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     run_cli(*common, "--backend", "vllm", "--tp", "2", "--out", str(tmp_path / "vllm"))
 
-    assert calls["llm"] == [{"model": str(plain), "tensor_parallel_size": 2, "seed": 7}]
-    assert len(calls["generate"]) == len(PROBLEMS)  # one request per problem ...
-    for prompts, (params,) in calls["generate"]:
-        assert len(prompts) == 1  # ... holding one prompt with n = k samples
+    import torch
+
+    cpu = {} if torch.cuda.is_available() else {"enable_chunked_prefill": False}  # the CPU engine's (backends.py)
+    assert calls["llm"] == [{"model": str(plain), "tensor_parallel_size": 2, "seed": 7, **cpu}]
+    # --batching all: every problem in flight at once through the engine's request API, one request per problem ...
+    assert calls["generate"] == [] and len(calls["add_request"]) == len(PROBLEMS)
+    for _, _, params in calls["add_request"]:  # ... with n = k samples
         assert (params.n, params.temperature, params.top_p, params.max_tokens) == (K, 1.0, 0.7, 6)
+    assert len(calls["steps"]) == len(PROBLEMS) and calls["aborted"] == []
     # sample j of problem i draws from (7 mod 2**31) * 2**32 + i * K + j: every sample its own seed
     assert [c["seed"] for c in calls["samples"]] == [(7 << 32) + n for n in range(len(PROBLEMS) * K)]
 
@@ -277,7 +282,7 @@ def test_greedy_k1_runs_on_the_standin(small_model, small_tok, tmp_path, monkeyp
     data = write_problems(tmp_path / "mini.jsonl")
     run_cli("eval", "--bench", "aime25", "--model", str(small_model), "--data-file", str(data), "--backend", "vllm",
             "--temperature", "0", "--k", "1", "--out", str(tmp_path / "o"))
-    assert all(p.n == 1 and p.top_p == 1.0 for _, ps in calls["generate"] for p in ps)
+    assert calls["requests"] and all(p.n == 1 and p.top_p == 1.0 for _, p in calls["requests"])
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["avg_at_k"] == pytest.approx(1 / 3)
 
 
@@ -330,16 +335,31 @@ def test_seed_blocks_of_different_runs_do_not_overlap():
         protocols.problem_seed(0, 2**32, 1)  # beyond one run's block
 
 
-def test_hf_backend_seeds_each_problem_with_its_first_sample_seed(small_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batching", ["all", "problem"])
+def test_hf_backend_draws_each_problem_as_generate_after_its_first_sample_seed(small_model, tmp_path, batching):
+    """Each problem's k samples are what transformers' own sampling draws after ``torch.manual_seed`` of the
+    problem's first sample seed, computed here with ``generate(do_sample=True, num_return_sequences=k, top_k=0)``
+    one problem at a time, whether the backend batched the problems together (all) or not (problem)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    seen = []
-    real = torch.manual_seed
-    monkeypatch.setattr(torch, "manual_seed", lambda s: (seen.append(s), real(s))[1])
     data = write_problems(tmp_path / "mini.jsonl")
     run_cli("eval", "--bench", "aime25", "--model", str(small_model), "--data-file", str(data), "--backend", "hf",
-            "--k", "2", "--max-tokens", "3", "--seed", "4", "--out", str(tmp_path / "o"))
-    assert seen[-3:] == [(4 << 32) + 0, (4 << 32) + 2, (4 << 32) + 4]
+            "--k", "2", "--max-tokens", "5", "--seed", "4", "--top-p", "0.9", "--temperature", "1.3",
+            "--batching", batching, "--out", str(tmp_path / "o"))
+    rows = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(small_model)
+    model = AutoModelForCausalLM.from_pretrained(small_model).eval()
+    for i, p in enumerate(PROBLEMS):
+        enc = tok(f"{p['problem']}\n{INSTRUCTION}", return_tensors="pt", add_special_tokens=False)
+        torch.manual_seed((4 << 32) + 2 * i)
+        out = model.generate(**enc, do_sample=True, num_return_sequences=2, max_new_tokens=5, temperature=1.3,
+                             top_p=0.9, top_k=0, pad_token_id=tok.pad_token_id)
+        want = []
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            ids = row[:next((j for j, t in enumerate(row) if t in (tok.eos_token_id, tok.pad_token_id)), len(row))]
+            want.append(tok.decode(ids, skip_special_tokens=True))
+        assert [r["response"] for r in rows if r["problem_id"] == p["id"]] == want
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,7 +395,7 @@ def test_vllm_over_long_prompt_and_context_cut(small_model, small_tok, tmp_path,
     assert len(warnings) == 2
     assert "max tokens 500 plus the longest prompt" in warnings[0] and f"context of {context} tokens" in warnings[0]
     assert "problem long:" in warnings[1] and "not attempted" in warnings[1]
-    assert len(calls["generate"]) == 2  # the long prompt never reached the engine
+    assert len(calls["requests"]) == 2  # the long prompt never reached the engine
     recs = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
     assert [(r["problem_id"], r["sample_idx"]) for r in recs] == [(p, j) for p in ("p1", "long", "p3") for j in (0, 1)]
     long_recs = [r for r in recs if r["problem_id"] == "long"]
@@ -393,7 +413,7 @@ def test_vllm_over_long_prompt_and_context_cut(small_model, small_tok, tmp_path,
     assert "| truncated (share of attempted samples) | 0.5000 |" in md and "not attempted" in md
     # --resume over the finished run keeps every sample and the same summary
     res = CliRunner().invoke(app, [*args, "--resume"])
-    assert res.exit_code == 0 and len(calls["generate"]) == 2
+    assert res.exit_code == 0 and len(calls["requests"]) == 2
     again = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert {k: again[k] for k in ("truncated", "not_attempted", "avg_at_k")} == \
         {k: s[k] for k in ("truncated", "not_attempted", "avg_at_k")}

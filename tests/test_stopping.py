@@ -292,11 +292,11 @@ def test_a_child_dies_with_its_parent():
 SLOW_EVAL = """
 import sys, time
 from stare.eval import backends
-generate = backends.HFBackend.generate
-def slow_generate(self, *args, **kwargs):
+batch = backends.HFBackend._batch
+def slow_batch(self, *args, **kwargs):
     time.sleep(0.7)
-    return generate(self, *args, **kwargs)
-backends.HFBackend.generate = slow_generate
+    return batch(self, *args, **kwargs)
+backends.HFBackend._batch = slow_batch
 sys.argv = ["stare", *sys.argv[1:]]
 from stare.cli.main import main
 main()
@@ -324,7 +324,9 @@ def test_stare_eval_stops_and_resumes_to_the_uninterrupted_summary(tmp_path, eva
     seconds, the finished problems' samples stay, and --resume gives the uninterrupted summary."""
     args, full, n = eval_case
     out = tmp_path / "stopped"
-    proc = start([sys.executable, "-c", SLOW_EVAL, *args, "--out", str(out)])
+    # HF batches of one problem each (two rows of under 40 tokens), so problems are written one after another
+    proc = start([sys.executable, "-c", SLOW_EVAL, *args, "--out", str(out)],
+                 env={**os.environ, "STARE_HF_BATCH_TOKENS": "80"})
     wait_until(lambda: (out / "samples.jsonl").exists() and (out / "samples.jsonl").read_text().count("\n") >= 2,
                proc=proc, what="the first problem's samples")
     rc, seconds, err, pids = signal_and_measure(proc, sig, group=group)

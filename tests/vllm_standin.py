@@ -7,9 +7,17 @@ emit for one sample (``child.prompt_ids``, ``child.index`` in the request's n, `
 None for greedy and unseeded requests, ``child.params``). The engine stops that stream the way vLLM does (EOS,
 stop token ids, stop strings, ``max_tokens``, ``max_model_len``) and detokenizes it as vLLM does.
 
+Besides ``LLM.generate`` the stand-in has the engine's request API that ``LLM.generate`` runs on
+(``LLM.llm_engine``: ``add_request``, ``step``, ``has_unfinished_requests``, ``abort_request``; vllm/v1/engine/
+llm_engine.py, vllm/entrypoints/common/offline.py ``_run_engine``). A request's samples are drawn when it is added;
+``step`` hands back the requests in the order a real engine finishes them, the one with the fewest tokens to
+generate first (``finish_order="shortest"``, ties in the order added) or in the order added (``"added"``).
+
 Use: ``module, calls = make_vllm(model, max_model_len=...)`` and ``monkeypatch.setitem(sys.modules, "vllm",
-module)``. ``calls`` records ``llm`` (constructor keywords), ``generate`` (prompts, params list) and ``samples`` (one
-dict per generated sample: prompt_ids, index, seed, request seed).
+module)``. ``calls`` records ``llm`` (constructor keywords), ``generate`` (prompts, params list), ``add_request``
+(request id, prompt ids, params), ``requests`` (prompt ids, params: every request either way), ``steps`` (the
+request ids each ``step`` returned), ``aborted`` and ``samples`` (one dict per generated sample: prompt_ids, index,
+seed, request seed).
 """
 from __future__ import annotations
 
@@ -160,15 +168,69 @@ _LLM_KEYWORDS = {
     "enforce_eager", "disable_custom_all_reduce", "hf_token", "hf_overrides", "kv_cache_memory_bytes",
     "compilation_config", "logits_processors",
     "max_model_len", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "disable_log_stats",
+    "enable_chunked_prefill",
 }
 
 
-def make_vllm(model, *, max_model_len: int | None = None):
+class RequestOutputKind:  # vllm/sampling_params.py: an IntEnum
+    CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
+
+
+def make_vllm(model, *, max_model_len: int | None = None, finish_order: str = "shortest"):
     """A ``vllm`` module whose ``LLM`` samples from ``model`` (see the module docstring). ``max_model_len``: the
     engine's context when the test does not pass one to ``LLM`` (default: derived from the model folder as vLLM
-    does)."""
-    calls = {"llm": [], "generate": [], "samples": []}
+    does). ``finish_order``: the order ``llm_engine.step`` hands requests back in (module docstring)."""
+    if finish_order not in ("shortest", "added"):
+        raise ValueError(f"finish_order must be shortest or added, got {finish_order!r}")
+    calls = {"llm": [], "generate": [], "samples": [], "add_request": [], "steps": [], "aborted": [], "requests": []}
     default_len = max_model_len
+
+    class LLMEngine:
+        """vllm/v1/engine/llm_engine.py LLMEngine: the request API (one sampled request per step here)."""
+
+        def __init__(self, llm):
+            self.llm, self.model_config = llm, llm.model_config
+            self.pending: list = []  # (tokens to generate, order added, RequestOutput)
+            self.added = 0
+
+        def add_request(self, request_id, prompt, params, **kwargs):
+            if not isinstance(request_id, str):
+                raise TypeError(f"request_id must be a string, got {type(request_id)}")
+            if not isinstance(params, SamplingParams):
+                raise TypeError("params must be SamplingParams")
+            if any(r.request_id == request_id for _, _, r in self.pending):
+                raise ValueError(f"request id {request_id} is already running")
+            (ids,) = self.llm._prompt_ids([prompt])
+            calls["add_request"].append((request_id, ids, params))
+            calls["requests"].append((ids, params))
+            outputs = [self.llm._sample(ids, params, j) for j in range(params.n)]
+            # only FINAL_ONLY requests are modelled: the parent's output comes once, when every child is done
+            # (vllm/v1/engine/parallel_sampling.py ParentRequest.get_outputs)
+            if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                raise NotImplementedError("the stand-in models output_kind=FINAL_ONLY requests only")
+            length = max(len(o.token_ids) for o in outputs) if finish_order == "shortest" else 0
+            self.pending.append((length, self.added, RequestOutput(request_id, None, ids, None, outputs)))
+            self.added += 1
+            return f"{request_id}-0000abcd"  # the internal id (vllm/v1/engine/input_processor.py assign_request_id)
+
+        def has_unfinished_requests(self) -> bool:
+            return bool(self.pending)
+
+        def get_num_unfinished_requests(self) -> int:
+            return len(self.pending)
+
+        def step(self):
+            if not self.pending:
+                return []
+            self.pending.sort(key=lambda x: (x[0], x[1]))
+            done = self.pending.pop(0)[2]
+            calls["steps"].append([done.request_id])
+            return [done]
+
+        def abort_request(self, request_ids, internal: bool = False):
+            ids = set(request_ids)
+            calls["aborted"].append(sorted(ids))
+            self.pending = [x for x in self.pending if x[2].request_id not in ids]
 
     class LLM:
         def __init__(self, model: str, **kwargs):
@@ -182,7 +244,7 @@ def make_vllm(model, *, max_model_len: int | None = None):
             length = kwargs.get("max_model_len") or default_len or _context_length(model, self.tokenizer)
             # vllm/entrypoints/llm.py: self.model_config = self.llm_engine.model_config
             self.model_config = SimpleNamespace(max_model_len=length, seed=kwargs.get("seed", 0))
-            self.llm_engine = SimpleNamespace(model_config=self.model_config)
+            self.llm_engine = LLMEngine(self)
             self._requests = 0
 
         def get_tokenizer(self):
@@ -204,6 +266,20 @@ def make_vllm(model, *, max_model_len: int | None = None):
             if not all(isinstance(p, SamplingParams) for p in params):
                 raise TypeError("sampling_params must be SamplingParams")
             calls["generate"].append((seq, params))
+            ids_list = self._prompt_ids(seq)
+            calls["requests"].extend(zip(ids_list, params))
+            out = []
+            for ids, sp in zip(ids_list, params):
+                rid = str(self._requests)
+                self._requests += 1
+                outputs = [self._sample(ids, sp, j) for j in range(sp.n)]
+                # FINAL_ONLY aggregation puts each child at its index (vllm/v1/engine/parallel_sampling.py get_outputs)
+                out.append(RequestOutput(rid, None, ids, None, outputs))
+            return out
+
+        def _prompt_ids(self, seq):
+            """Each prompt's token ids, every one validated before any is sampled (one bad prompt fails the whole
+            call: vllm/v1/engine/input_processor.py InputProcessor._validate_prompt_len)."""
             ids_list = []
             for p in seq:
                 if isinstance(p, dict):
@@ -211,8 +287,6 @@ def make_vllm(model, *, max_model_len: int | None = None):
                 else:  # a text prompt is tokenized with the special tokens (a BOS where the tokenizer adds one)
                     ids = self.tokenizer(p)["input_ids"]
                 ids_list.append(ids)
-            # every request is validated as it is added; one bad prompt fails the whole call, before any sampling
-            # (vllm/v1/engine/input_processor.py InputProcessor._validate_prompt_len)
             limit = self.model_config.max_model_len
             for ids in ids_list:
                 if not ids:
@@ -226,14 +300,7 @@ def make_vllm(model, *, max_model_len: int | None = None):
                                               f"output tokens (at least 1) is longer than the maximum model length "
                                               f"of {limit}. Make sure that `max_model_len` is no smaller than the "
                                               f"number of text tokens (prompt + requested output tokens).")
-            out = []
-            for ids, sp in zip(ids_list, params):
-                rid = str(self._requests)
-                self._requests += 1
-                outputs = [self._sample(ids, sp, j) for j in range(sp.n)]
-                # FINAL_ONLY aggregation puts each child at its index (vllm/v1/engine/parallel_sampling.py get_outputs)
-                out.append(RequestOutput(rid, None, ids, None, outputs))
-            return out
+            return ids_list
 
         def _sample(self, prompt_ids, sp, index):
             # per-sample seed: vllm/v1/engine/parallel_sampling.py ParentRequest._get_child_sampling_params gives
@@ -285,6 +352,9 @@ def make_vllm(model, *, max_model_len: int | None = None):
     module.__version__ = VERSION
     module.LLM, module.SamplingParams = LLM, SamplingParams
     module.CompletionOutput, module.RequestOutput = CompletionOutput, RequestOutput
+    sampling_params = types.ModuleType("vllm.sampling_params")
+    sampling_params.SamplingParams, sampling_params.RequestOutputKind = SamplingParams, RequestOutputKind
+    module.sampling_params = sampling_params
     exceptions = types.ModuleType("vllm.exceptions")
     exceptions.VLLMValidationError = VLLMValidationError
     module.exceptions = exceptions

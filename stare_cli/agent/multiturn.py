@@ -1,8 +1,10 @@
 """``stare eval --tools python``: the tool loop on top of an eval backend (HF or vLLM).
 
-``ToolUseBackend(inner)`` has the harness's backend interface. ``generate(prompt, n, proto, seed)`` runs the n
-samples' episodes in lockstep: each round generates one turn for every unfinished sample in one batch, runs the
-tool calls (in parallel threads, one sandbox each), appends the wrapped observations and goes again.
+``ToolUseBackend(inner)`` has the harness's backend interface. ``generate_many(requests, proto)`` runs the episodes
+of every sample of every problem in lockstep (``generate(prompt, n, proto, seed)``: one problem's): each round
+generates one turn for every unfinished sample (on vLLM in one batch, every sample with its own seed; on HF one
+batch per problem), runs the tool calls (in parallel threads, one sandbox each), appends the wrapped observations
+and goes again; a problem is handed back when its last episode ends.
 
 - HF backend: a turn ends at EOS (or the chat format's end-of-turn token), when a ```` ```python ```` block
   closes, or when the model opens an ```` ```output ```` block itself.
@@ -80,83 +82,69 @@ class ToolUseBackend:
     # ------------------------------------------------------------------------------------------------
 
     def generate(self, prompt: str, n: int, proto, seed: int) -> list[tuple[str, int, dict]]:
+        """The n samples of one problem (``generate_many`` with one request); ``PromptTooLong`` when the prompt
+        does not fit the context."""
+        ((_, result),) = list(self.generate_many([(None, prompt, n, seed)], proto))
+        if isinstance(result, PromptTooLong):
+            raise result
+        return result
+
+    def generate_many(self, requests, proto):
+        """Yield ``(key, samples)`` for every ``(key, prompt, n, seed)`` of ``requests``, as each problem's n
+        episodes end: every round generates one turn for every unfinished sample of every problem (one vLLM call
+        for all of them; on HF one batch per problem, each seeded as alone), runs their tool calls and goes again.
+        A prompt that does not fit the context is yielded as ``PromptTooLong`` at once."""
         tok = self.tokenizer
-        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         context = self.context_length
-        if context is not None and len(prompt_ids) >= context:
-            raise PromptTooLong(len(prompt_ids), context)
+        live: list[_Problem] = []
+        for key, prompt, n, seed in requests:
+            prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            if context is not None and len(prompt_ids) >= context:
+                yield key, PromptTooLong(len(prompt_ids), context)
+                continue
+            live.append(_Problem(key, n, seed, prompt_ids, self.config, self.fmt))
+        rnd = 0  # every problem starts at round 0 together, so the round is each problem's own
+        with ThreadPoolExecutor(max_workers=max(1, min(sum(q.n for q in live), 8))) as pool:
+            while live:
+                for q in live:
+                    q.stop_out_of_room(proto.max_tokens, context)
+                rows = [(q, i) for q in live for i in q.active()]
+                if rows:
+                    budgets = [q.room(i, proto.max_tokens, context) for q, i in rows]
+                    turns = self._turns(rows, budgets, proto, rnd)
+                    rnd += 1
+                    for (q, i), budget, (ids, text, ended) in zip(rows, budgets, turns):
+                        q.take_turn(i, ids, text, ended, budget, self.fmt.turn_end)
 
-        def room(i):  # tokens sample i may still add: its budget, and the model's context
-            left = proto.max_tokens - used[i]
-            return left if context is None else min(left, context - len(ctx[i]))
+                    def step(row, text, ended):
+                        q, i = row
+                        return q.episodes[i].step(text, ended_turn=ended,
+                                                  budget_left=proto.max_tokens - q.used[i],
+                                                  context_left=None if context is None else context - len(q.ctx[i]))
 
-        episodes = [ToolEpisode(config=self.config, fmt=self.fmt) for _ in range(n)]
-        ctx = [list(prompt_ids) for _ in range(n)]
-        transcript = [""] * n
-        model_tokens = [0] * n
-        used = [0] * n  # tokens after the prompt: model turns (with their end tokens) + tool output
-        tool_tokens = [0] * n
-        cut = [False] * n  # the sample's last turn used all the room it had
-        rnd = 0
-        with ThreadPoolExecutor(max_workers=max(1, min(n, 8))) as pool:
-            while True:
-                active = [i for i in range(n) if not episodes[i].done]
-                for i in list(active):
-                    if proto.max_tokens - used[i] <= 0:
-                        episodes[i].stop("token_budget")
-                        active.remove(i)
-                    elif context is not None and len(ctx[i]) >= context:  # a tool output filled the context
-                        episodes[i].stop("context")
-                        active.remove(i)
-                if not active:
-                    break
-                budgets = [room(i) for i in active]
-                turns = self._turn([ctx[i] for i in active], budgets, proto,
-                                   [turn_seed(seed + i, rnd) for i in active], turn_seed(seed, rnd))
-                rnd += 1
-                for i, budget, (ids, text, ended) in zip(active, budgets, turns):
-                    cut[i] = not ended and len(ids) >= budget
-                    ctx[i] += ids
-                    used[i] += len(ids)
-                    model_tokens[i] += len(ids) - (1 if ended else 0)
-                    transcript[i] += text + (self.fmt.turn_end if ended else "")
+                    feedbacks = list(pool.map(lambda a: step(*a), [(row, t, e) for row, (_, t, e) in zip(rows, turns)]))
+                    for (q, i), fb in zip(rows, feedbacks):
+                        if fb:
+                            q.take_feedback(i, fb, tok, proto.max_tokens, context)
+                for q in [q for q in live if not q.active()]:
+                    live.remove(q)
+                    yield q.key, q.samples(self.isolation)
 
-                def step(i, text, ended):
-                    return episodes[i].step(text, ended_turn=ended, budget_left=proto.max_tokens - used[i],
-                                            context_left=None if context is None else context - len(ctx[i]))
-
-                feedbacks = list(pool.map(lambda a: step(*a), [(i, t, e) for i, (_, t, e) in zip(active, turns)]))
-                for i, fb in zip(active, feedbacks):
-                    if fb:
-                        fb_ids = tok(fb, add_special_tokens=False)["input_ids"]
-                        # the budget (and the context) holds tool output too: an observation that does not fit
-                        # is cut to the room left and ends the sample as truncated (nothing would follow it)
-                        room_budget = proto.max_tokens - used[i]
-                        room_context = None if context is None else context - len(ctx[i])
-                        fits = room_budget if room_context is None else min(room_budget, room_context)
-                        if len(fb_ids) > fits:
-                            fb_ids = fb_ids[:max(fits, 0)]
-                            fb = tok.decode(fb_ids)
-                            episodes[i].stop("context" if room_context is not None and room_context < room_budget
-                                             else "token_budget")
-                        ctx[i] += fb_ids
-                        used[i] += len(fb_ids)
-                        tool_tokens[i] += len(fb_ids)
-                        transcript[i] += fb
-        out = []
-        for i, ep in enumerate(episodes):
-            truncated = cut[i] or ep.done_reason in ("token_budget", "context")
-            extra = {"answer_text": ep.final_text, **ep.summary(), "tool_output_tokens": tool_tokens[i],
-                     "truncated": truncated, "sandbox_isolation": ep.isolation or self.isolation}
-            out.append((transcript[i], model_tokens[i], extra))
+    def _turns(self, rows, budgets, proto, rnd: int):
+        """One turn for each ``(problem, sample)`` row: ``(token ids incl. a closing end token, text,
+        ended_with_end_token)``. vLLM in one call, each row with its own seed; HF one batch per problem, seeded with
+        the problem's round seed (as the problem alone)."""
+        if self.inner.name != "hf":
+            return self._vllm_turn([q.ctx[i] for q, i in rows], budgets, proto,
+                                   [turn_seed(q.seed + i, rnd) for q, i in rows])
+        out: list = [None] * len(rows)
+        for q in dict.fromkeys(q for q, _ in rows):
+            idx = [j for j, (p, _) in enumerate(rows) if p is q]
+            got = self._hf_turn([q.ctx[rows[j][1]] for j in idx], [budgets[j] for j in idx], proto,
+                                turn_seed(q.seed, rnd))
+            for j, turn in zip(idx, got):
+                out[j] = turn
         return out
-
-    def _turn(self, seqs, budgets, proto, row_seeds, batch_seed):
-        """One generated turn per sequence: ``(token ids incl. a closing end token, text, ended_with_end_token)``.
-        vLLM seeds each sequence (``row_seeds``), HF the batch (``batch_seed``)."""
-        if self.inner.name == "hf":
-            return self._hf_turn(seqs, budgets, proto, batch_seed)
-        return self._vllm_turn(seqs, budgets, proto, row_seeds)
 
     def _finish_row(self, ids: list[int], budget: int, stopped_by_fence: bool):
         ended = False
@@ -232,3 +220,65 @@ class ToolUseBackend:
                 ids, ended = ids[:budget], False
             rows.append((ids, o.text, ended))
         return rows
+
+
+class _Problem:
+    """One problem's n episodes in ``ToolUseBackend.generate_many``: their contexts, transcripts and token counts."""
+
+    def __init__(self, key, n: int, seed: int, prompt_ids: list[int], config: ToolConfig, fmt):
+        self.key, self.n, self.seed = key, n, seed
+        self.episodes = [ToolEpisode(config=config, fmt=fmt) for _ in range(n)]
+        self.ctx = [list(prompt_ids) for _ in range(n)]
+        self.transcript = [""] * n
+        self.model_tokens = [0] * n
+        self.used = [0] * n  # tokens after the prompt: model turns (with their end tokens) + tool output
+        self.tool_tokens = [0] * n
+        self.cut = [False] * n  # the sample's last turn used all the room it had
+
+    def active(self) -> list[int]:
+        return [i for i in range(self.n) if not self.episodes[i].done]
+
+    def room(self, i: int, max_tokens: int, context) -> int:
+        """Tokens sample i may still add: its budget, and the model's context."""
+        left = max_tokens - self.used[i]
+        return left if context is None else min(left, context - len(self.ctx[i]))
+
+    def stop_out_of_room(self, max_tokens: int, context) -> None:
+        for i in self.active():
+            if max_tokens - self.used[i] <= 0:
+                self.episodes[i].stop("token_budget")
+            elif context is not None and len(self.ctx[i]) >= context:  # a tool output filled the context
+                self.episodes[i].stop("context")
+
+    def take_turn(self, i: int, ids, text: str, ended: bool, budget: int, turn_end: str) -> None:
+        self.cut[i] = not ended and len(ids) >= budget
+        self.ctx[i] += ids
+        self.used[i] += len(ids)
+        self.model_tokens[i] += len(ids) - (1 if ended else 0)
+        self.transcript[i] += text + (turn_end if ended else "")
+
+    def take_feedback(self, i: int, fb: str, tok, max_tokens: int, context) -> None:
+        fb_ids = tok(fb, add_special_tokens=False)["input_ids"]
+        # the budget (and the context) holds tool output too: an observation that does not fit is cut to the room
+        # left and ends the sample as truncated (nothing would follow it)
+        room_budget = max_tokens - self.used[i]
+        room_context = None if context is None else context - len(self.ctx[i])
+        fits = room_budget if room_context is None else min(room_budget, room_context)
+        if len(fb_ids) > fits:
+            fb_ids = fb_ids[:max(fits, 0)]
+            fb = tok.decode(fb_ids)
+            self.episodes[i].stop("context" if room_context is not None and room_context < room_budget
+                                  else "token_budget")
+        self.ctx[i] += fb_ids
+        self.used[i] += len(fb_ids)
+        self.tool_tokens[i] += len(fb_ids)
+        self.transcript[i] += fb
+
+    def samples(self, isolation: str) -> list[tuple[str, int, dict]]:
+        out = []
+        for i, ep in enumerate(self.episodes):
+            truncated = self.cut[i] or ep.done_reason in ("token_budget", "context")
+            extra = {"answer_text": ep.final_text, **ep.summary(), "tool_output_tokens": self.tool_tokens[i],
+                     "truncated": truncated, "sandbox_isolation": ep.isolation or isolation}
+            out.append((self.transcript[i], self.model_tokens[i], extra))
+        return out
