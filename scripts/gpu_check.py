@@ -84,6 +84,12 @@ STEPS: dict[str, Step] = {
                                 "policy_loss fwd+bwd with STARE weights vs without, 8 x 4096"),
     "bench-selection": Step(bench("bench_selection.py"), 60, BENCH_IMPORTS,
                             "stare_token_weights over 512 x 4096 vs one kthvalue"),
+    # no vLLM and no math-verify there: the HF backend, scoring off (its --score auto)
+    "bench-eval-hf": Step(
+        bench("bench_eval.py", "--backend", "hf", "--limit", "10", "--k", "8", "--max-tokens", "128", "--repeats",
+              "2", "--layers", "8", "--hidden", "1024"), 150,
+        ("torch", "_timing", "transformers", "tokenizers", "stare.eval.harness"),
+        "stare eval's HF backend, problems batched vs one at a time, 10 AIME 2025 problems x k 8 x 128 tokens"),
 }
 
 

@@ -64,7 +64,7 @@ def test_dry_run_prints_the_plan_in_order_checks_imports_and_writes_nothing(tmp_
     steps = [line.split(" ")[1] for line in text.splitlines() if line.startswith("- ")]
     # the three figures that matter first, then the other benchmarks
     assert steps == ["bench-entropy-triton", "algorithm-tests-cuda", "stare-run-tiny-cpu", "bench-entropy",
-                     "bench-weighted-loss", "bench-selection"]
+                     "bench-weighted-loss", "bench-selection", "bench-eval-hf"]
     commands = [line.strip() for line in text.splitlines() if line.startswith("    ") and "python" in line]
     triton, tests_line, run_line, entropy = commands[:4]
     for flag in ("--device cuda", "--n 8192", "--vocab 151936", "--dtype bf16", "--kernel both"):
@@ -73,11 +73,12 @@ def test_dry_run_prints_the_plan_in_order_checks_imports_and_writes_nothing(tmp_
         assert flag in entropy, flag
     assert "benchmarks/bench_weighted_loss.py --device cuda" in text
     assert "benchmarks/bench_selection.py --device cuda" in text
+    assert "benchmarks/bench_eval.py --device cuda --backend hf" in text
     # the algorithm tests on CUDA, every one of them, and the local engine end to end
     assert "-m cuda --device cuda" in tests_line
     assert all(f"tests/{name}" in tests_line for name in ALGORITHM_TESTS)
     assert "stare.cli.main run --preset tiny-cpu" in run_line and "--set device=cuda" in run_line
-    assert text.count("    runnable") == 6 and "6 of 6 steps runnable" in text  # their imports were tried here
+    assert text.count("    runnable") == 7 and "7 of 7 steps runnable" in text  # their imports were tried here
     assert str(out / "gpu-check.json") in text
     assert not out.exists()  # nothing ran, nothing was written
 
@@ -256,7 +257,7 @@ def tracked_tree(dest: Path) -> int:
 def test_on_a_simulated_lent_machine_every_step_is_runnable_and_a_run_stops_in_one_line(tmp_path):
     """The machine lent for the GPU check, without its GPU: a fresh venv holding only what it holds, the tracked
     files alone, the network unusable (pip has no index, every proxy is a dead port). ``--dry-run`` (which does the
-    check's whole set-up and imports every step's modules) shows all six steps runnable; a real run stops at once
+    check's whole set-up and imports every step's modules) shows all seven steps runnable; a real run stops at once
     in one line, writing nothing; and the Triton kernel compiles for sm_90 with the machine's Triton, 3.6.0."""
     py = sim_python()
     tree = tmp_path / "tree"
@@ -273,8 +274,8 @@ def test_on_a_simulated_lent_machine_every_step_is_runnable_and_a_run_stops_in_o
     dry = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(out), "--budget", "500"],
                          cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    assert "6 of 6 steps runnable" in dry.stdout and "NOT runnable" not in dry.stdout, dry.stdout
-    assert dry.stdout.count("    runnable") == 6 and f"{py} benchmarks/bench_entropy.py" in dry.stdout
+    assert "7 of 7 steps runnable" in dry.stdout and "NOT runnable" not in dry.stdout, dry.stdout
+    assert dry.stdout.count("    runnable") == 7 and f"{py} benchmarks/bench_entropy.py" in dry.stdout
 
     t0 = time.monotonic()
     real = subprocess.run(["bash", "scripts/gpu-check.sh", "--out", str(out), "--budget", "500"], cwd=tree, env=env,
