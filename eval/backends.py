@@ -348,8 +348,11 @@ class VLLMBackend:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"the vLLM engine ended with {len(pending)} request(s) unanswered")
                 for request in engine.step():
-                    if request.finished and request.request_id in pending:
-                        key, n = pending.pop(request.request_id)
+                    rid = request.request_id
+                    if rid not in pending:  # an engine that reports its internal id: ours plus "-<8 random chars>"
+                        rid = rid.rsplit("-", 1)[0]
+                    if request.finished and rid in pending:
+                        key, n = pending.pop(rid)
                         yield key, self._samples(request, n)
         finally:
             if pending:
