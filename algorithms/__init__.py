@@ -1,5 +1,5 @@
 """stare.algorithms: GRPO, DAPO, STARE and the entropy baselines (Clip-Cov, KL-Cov, 80/20, Skywork-OR1's adaptive
-entropy bonus, entropy-based advantage shaping) as pure functions.
+entropy bonus, entropy-based advantage shaping, the Delightful Policy Gradient gate) as pure functions.
 
 No import of OpenRLHF, Ray or vLLM: the local engine, the OpenRLHF plugin and users' own trainers all call
 the same code; ``stare_step`` (``step.py``) is the once-per-step block both engines run, and ``METRICS`` there
@@ -14,7 +14,8 @@ from .token_rules import TOKEN_RULES, TokenRule, get_token_rule, register_token_
 
 _LAZY = {
     "_checks": ("check_finite",),
-    "baselines": ("clip_cov_seed", "clip_cov_weights", "entropy_advantage_weights", "entropy_top_weights",
+    "baselines": ("clip_cov_seed", "clip_cov_weights", "delight_gate_weights", "entropy_advantage_weights",
+                  "entropy_top_weights",
                   "floor_count", "kl_cov_coefs", "token_covariance"),
     "advantages": ("group_advantages", "informative_groups", "overlong_penalty"),
     "entropy": ("EntropyStats", "entropy_forecast_sums", "entropy_sensitivity", "masked_mean",
@@ -47,6 +48,7 @@ __all__ = [
     "AGGREGATIONS", "ALGORITHMS", "AlgoConfig", "BandGate", "ControllerState", "EntropyCoef", "EntropyStats",
     "LEGACY_NAMES", "METRICS", "METRIC_NAMES", "PaperGate", "SETTING_NAMES", "StepMemory", "StepResult",
     "TOKEN_RULES", "TokenRule", "batch_mean", "check_finite", "clip_cov_seed", "clip_cov_weights",
+    "delight_gate_weights",
     "entropy_advantage_weights", "entropy_bonus_loss", "entropy_bonus_metrics", "entropy_forecast_sums",
     "entropy_sensitivity", "entropy_top_weights", "floor_count", "get_algorithm", "get_token_rule", "group_advantages",
     "informative_groups",

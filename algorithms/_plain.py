@@ -14,6 +14,7 @@ VARIANTS = ("O1", "C2")  # selection.py
 SELECTIONS = ("quantile", "phi")  # selection.py
 # baselines.py, 80-20: the loss over the selected tokens (the 80/20 paper's code) or over all (TRL's)
 MASK_DENOMINATORS = ("all", "selected")
+STEER_MAPPINGS = ("exp", "linear")  # steer: how |Omega| becomes a weight (baselines.steer_weights)
 CONTROLLERS = ("paper", "band")  # controllers.py: PaperGate, BandGate
 SCOPES = ("global", "micro_batch")  # step.py: where STARE's selection is made
 # What the per-step telemetry may cost: full (entropy, shares, Phi forecasts), entropy (the batch entropy only,

@@ -1,4 +1,5 @@
-"""The token rules of the entropy baselines: Clip-Cov, KL-Cov and 80/20 (section 7 of docs/algorithm.md).
+"""The token rules of the entropy baselines: Clip-Cov, KL-Cov, 80/20, entropy-adv and the Delightful Policy Gradient
+gate (section 7 of docs/algorithm.md).
 
 Each rule is a function of the old policy's per-token numbers over the whole step's batch, computed once per
 step (``stare_step`` calls it), exact across data-parallel ranks when given a torch.distributed ``group``:
@@ -15,6 +16,16 @@ step (``stare_step`` calls it), exact across data-parallel ranks when given a to
   ``A + min(alpha H, |A| / kappa)``, H the old policy's entropy there (no gradient through it), as the weight
   ``(A + psi) / A = 1 + sign(A) min(alpha H / |A|, 1 / kappa)`` on its loss; ``kappa > 1`` keeps every sign, and an
   ``A = 0`` token stays 0 (weight 1). A per-token function: the step's other tokens do not enter.
+- ``delight_gate_weights`` (dg, Osband 2026, Delightful Policy Gradient): each token's loss times
+  ``sigmoid(A (-logp) / eta)``, the sigmoid of its "delight" (advantage times surprisal, the old policy's log-prob,
+  no gradient through it): a surprising token with A > 0 keeps nearly all of its gradient, a surprising token with
+  A < 0 nearly none, an expected token about half. Per token, like entropy-adv.
+- ``steer_weights`` (steer, Hao et al. 2025, Rethinking Entropy Interventions in RLVR): each token's estimated
+  entropy change ``Omega = A (1 - p) (log p + H)`` (p the old policy's probability of the sampled token, H its
+  entropy there; the public code's ``(A / p_old) p (1 - p) (log p + H)`` at p = p_old), and a weight that falls as
+  ``|Omega|`` grows: ``exp(-k |Omega|)`` clamped to [w_min, 1] with ``k = -ln(w_min) / max(max |Omega|, 0.02)`` (the
+  largest change gets w_min), or a linear map of ``|Omega|`` from [min, max] onto [w_max, w_min]. The min and max
+  are over the step's whole batch (all ranks); the public code takes them over each GPU's micro-batch.
 
 N is the number of response tokens of the whole step (all ranks). Where the public implementation (verl's
 ``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``) differs, it is in scope and timing: verl
@@ -36,7 +47,7 @@ import math
 import torch
 
 from ._checks import broadcast_advantages, check_choice, check_finite, check_range, check_same_shape
-from ._plain import MASK_DENOMINATORS
+from ._plain import MASK_DENOMINATORS, STEER_MAPPINGS
 from .selection import kth_largest, top_count
 
 
@@ -56,11 +67,11 @@ def clip_cov_seed(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group, op: str = "SUM") -> torch.Tensor:
     if group is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
     return t
 
 
@@ -251,3 +262,97 @@ def entropy_advantage_sums(advantages: torch.Tensor, entropy: torch.Tensor, mask
     shaped = nonzero & (h > 0)
     clipped = shaped & (alpha * h >= adv.abs() / kappa)
     return {"shaped_share": (shaped.sum(), nonzero.sum()), "shaping_clipped_share": (clipped.sum(), shaped.sum())}
+
+
+def delight_gate_weights(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                         eta: float = 1.0) -> torch.Tensor:
+    """The Delightful Policy Gradient gate as token weights, ``[B, T]`` float32: ``sigmoid(A (-logp) / eta)`` on the
+    response tokens (a token with A = 0 gets sigmoid(0) = 1/2, which multiplies a zero loss), 1 on padding.
+
+    ``logprobs``: ``[B, T]``, the log-prob of each sampled token under the policy that sampled it (detached here);
+    ``advantages``: ``[B, T]`` or per-sequence ``[B]``; ``eta > 0`` the gate's temperature (the paper's 1).
+    """
+    _check_tokens("logprobs", logprobs, mask)
+    check_range("eta", eta, 0, None, low_open=True)
+    adv = broadcast_advantages(advantages, logprobs).to(torch.float32)
+    valid = mask.bool()
+    check_finite(valid, logprobs=logprobs, advantages=adv)
+    delight = torch.where(valid, adv * -logprobs.detach().to(torch.float32), 0.0)
+    return torch.where(valid, torch.sigmoid(delight / eta), 1.0).to(torch.float32)
+
+
+DG_NEAR = 0.1  # the gate's telemetry counts a gate below DG_NEAR as near 0 and one above 1 - DG_NEAR as near 1
+
+
+def delight_gate_sums(gate: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """dg's telemetry from its ``gate`` (``delight_gate_weights``) as (numerator, denominator) pairs over this rank's
+    response tokens with A != 0 (the tokens the gate acts on): ``gate_mean``, ``gate_low_share`` (gate < DG_NEAR:
+    nearly no gradient) and ``gate_high_share`` (gate > 1 - DG_NEAR: nearly all of it)."""
+    adv = broadcast_advantages(advantages, gate)
+    acted = mask.bool() & (adv != 0)
+    n = acted.sum()
+    return {"gate_mean": (torch.where(acted, gate, 0.0).sum(), n),
+            "gate_low_share": ((acted & (gate < DG_NEAR)).sum(), n),
+            "gate_high_share": ((acted & (gate > 1 - DG_NEAR)).sum(), n)}
+
+
+STEER_MAX_FLOOR = 0.02  # the exp mapping's scale never reads a max |Omega| below this (the public code's floor)
+
+
+def steer_change(logprobs: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """STEER's estimated entropy change per token, ``Omega = A (1 - p) (log p + H)``, ``[B, T]`` float32, 0 on padding
+    (and where it is not finite, as the public code sets it); p = exp(logprobs) clamped to [1e-8, 1 - 1e-8]."""
+    _check_tokens("logprobs", logprobs, mask, entropy=entropy)
+    adv = broadcast_advantages(advantages, logprobs).to(torch.float32)
+    valid = mask.bool()
+    check_finite(valid, logprobs=logprobs, advantages=adv, entropy=entropy)
+    logp = torch.where(valid, logprobs.detach().to(torch.float32), 0.0)
+    p = torch.exp(logp).clamp(1e-8, 1 - 1e-8)
+    omega = adv * (1 - p) * (torch.log(p) + entropy.detach().to(torch.float32))
+    return torch.where(valid & torch.isfinite(omega), omega, 0.0)
+
+
+def steer_weights(logprobs: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, *,
+                  mapping: str = "exp", weight_min: float = 0.8, weight_max: float = 1.2,
+                  group=None) -> torch.Tensor:
+    """STEER's token weights, ``[B, T]`` float32 (1 on padding), from ``m = |steer_change(...)|`` over the step's
+    response tokens (all ranks of ``group``):
+
+    - ``exp``: ``clamp(exp(-k m), weight_min, 1)``, ``k = -ln(weight_min) / max(max m, 0.02)``; ``weight_max`` unused
+      (the public code caps this mapping at 1);
+    - ``linear``: ``weight_max - (m - min m) (weight_max - weight_min) / (max m - min m)`` clamped to
+      [weight_min, weight_max]; every token ``(weight_min + weight_max) / 2`` when max m == min m.
+    """
+    check_choice("mapping", mapping, STEER_MAPPINGS)
+    if mapping == "exp":
+        check_range("weight_min", weight_min, 0, 1, low_open=True, high_open=True)
+    else:
+        check_range("weight_min", weight_min, 0, None, low_open=True)
+        if not weight_max > weight_min:
+            raise ValueError(f"weight_max {weight_max!r} must be > weight_min {weight_min!r} for the linear mapping")
+    valid = mask.bool()
+    m = steer_change(logprobs, advantages, entropy, mask).abs()
+    top = _all_reduce(torch.where(valid, m, 0.0).amax().reshape(1), group, "MAX")[0]  # m >= 0: 0 for no token
+    if mapping == "exp":
+        k = -math.log(weight_min) / top.clamp(min=STEER_MAX_FLOOR)
+        w = torch.exp(-k * m).clamp(weight_min, 1.0)
+    else:
+        low = -_all_reduce(torch.where(valid, -m, -math.inf).amax().reshape(1), group, "MAX")[0]
+        span = top - low
+        w = weight_max - (m - low) * (weight_max - weight_min) / torch.where(span > 0, span, 1.0)
+        w = torch.where(span > 0, w.clamp(weight_min, weight_max), torch.full_like(w, (weight_min + weight_max) / 2))
+    return torch.where(valid, w, 1.0).to(torch.float32)
+
+
+def steer_sums(logprobs: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+               weights: torch.Tensor, *, weight_min: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """steer's telemetry as (numerator, denominator) pairs over this rank's response tokens: ``steer_floor_share``
+    (tokens at the weight floor, the largest estimated changes) and ``steer_raise_share`` (of the tokens with
+    Omega != 0, those whose update the estimate says raises entropy: Omega < 0, as the paper's sign has it)."""
+    valid = mask.bool()
+    omega = steer_change(logprobs, advantages, entropy, mask)
+    moving = valid & (omega != 0)
+    return {"steer_floor_share": ((valid & (weights <= weight_min * (1 + 1e-6))).sum(), valid.sum()),
+            "steer_raise_share": ((moving & (omega < 0)).sum(), moving.sum())}

@@ -16,6 +16,7 @@ from ._plain import (
     CONTROLLERS,
     KERNELS,
     MASK_DENOMINATORS,
+    STEER_MAPPINGS,
     SCOPES,
     SELECTIONS,
     TELEMETRY,
@@ -131,6 +132,16 @@ class AlgoConfig:
                                        "with H the old policy's token entropy", low=0, low_open=True)
     entropy_adv_kappa: float = setting(2.0, "entropy-adv: the term is at most |A| / kappa (kappa > 1: no advantage "
                                        "changes sign)", low=1, low_open=True)
+    dg_eta: float = setting(1.0, "dg: the delight gate's temperature, sigmoid(A (-log p) / eta) with log p the old "
+                            "policy's log-prob of the sampled token", low=0, low_open=True)
+    steer_mapping: str = setting("exp", "steer: how the size of a token's estimated entropy change |A (1 - p) (log p + "
+                                 "H)| becomes its weight: exp (exp(-k |change|) down to steer_weight_min for the "
+                                 "step's largest, at most 1) or linear (steer_weight_max for the smallest to "
+                                 "steer_weight_min for the largest)", choices=STEER_MAPPINGS)
+    steer_weight_min: float = setting(0.8, "steer: the weight of the step's largest estimated entropy change",
+                                      valid_text="number in (0, 1) with steer_mapping exp; > 0 with linear")
+    steer_weight_max: float = setting(1.2, "steer, linear mapping only: the weight of the step's smallest estimated "
+                                      "entropy change", valid_text="number > steer_weight_min")
     # the entropy bonus in the loss (any algorithm; entropy-adaptive adapts its coefficient: controllers.EntropyCoef)
     entropy_coef: float = setting(0.0, "entropy bonus: the loss minus this times the current policy's token entropy "
                                   "(aggregated as the loss; 0: no bonus); adaptive: the value before the first step",
@@ -299,6 +310,13 @@ ALGORITHMS: dict[str, AlgoConfig] = {
                    "An Entropy Perspective): A + min(0.4 H, |A| / 2) per token, H the old policy's entropy "
                    "(detached); GRPO's clip 0.2/0.2 with a token-mean loss", token_rule="entropy-adv",
                    clip_low=0.2, clip_high=0.2, agg="token-mean"),
+        AlgoConfig("dg", "Delightful Policy Gradient (Osband 2026): each token's loss times sigmoid(A (-log p) / 1), "
+                   "the sigmoid of advantage times surprisal (the old policy's log-prob, detached); GRPO's clip "
+                   "0.2/0.2 with a token-mean loss", token_rule="dg", clip_low=0.2, clip_high=0.2, agg="token-mean"),
+        AlgoConfig("steer", "STEER (Hao et al. 2025, Rethinking Entropy Interventions in RLVR): each token's loss "
+                   "times exp(-k |A (1 - p) (log p + H)|), its estimated entropy change, clamped to [0.8, 1] with the "
+                   "step's largest at 0.8; GRPO advantages, clip 0.2/0.28, dual clip 10, token-mean, no dynamic "
+                   "sampling", token_rule="steer", **{**_DAPO_BASE, "dynamic_sampling": False}),
     )
 }
 

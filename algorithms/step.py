@@ -82,6 +82,13 @@ METRICS: tuple[tuple[str, str], ...] = (
      "changed (H > 0)"),
     ("stare/shaping_clipped_share", "entropy-adv: of the shaped tokens, the share whose term is held at the bound "
      "abs(A) / kappa"),
+    ("stare/gate_mean", "dg: mean of the delight gate sigmoid(A (-log p) / eta) over the A != 0 response tokens"),
+    ("stare/gate_low_share", "dg: share of the A != 0 response tokens whose gate is below 0.1 (nearly no gradient)"),
+    ("stare/gate_high_share", "dg: share of the A != 0 response tokens whose gate is above 0.9 (nearly all of it)"),
+    ("stare/steer_floor_share", "steer: share of the response tokens held at steer_weight_min (the largest estimated "
+     "entropy changes)"),
+    ("stare/steer_raise_share", "steer: of the response tokens with an estimated entropy change, the share whose "
+     "estimate says the update raises entropy (A (1 - p) (log p + H) < 0)"),
     # the entropy bonus (entropy_coef > 0 or entropy_adaptive: entropy-adaptive)
     ("stare/entropy_coef", "the entropy bonus's coefficient applied this step (0 while the adaptive bonus is off)"),
     ("stare/entropy_bonus", "the bonus subtracted from the loss this step: the coefficient times the current "
@@ -367,14 +374,16 @@ def stare_step(
             pairs[P + "boosted_phi_pos_share"] = ((boosted & phi_pos).sum(), boosted.sum())
             pairs[P + "masked_share"] = ((valid & (weights == 0)).sum(), valid.sum())
             lowered = valid & (marks < 1)
-            pairs.update({P + k: v for k, v in rule.telemetry_sums(cfg, advantages, mask, stats.entropy).items()})
+            pairs.update({P + k: v for k, v in rule.telemetry_sums(cfg, logprobs, advantages, mask, stats.entropy,
+                                                                     weights).items()})
         if penalty is not None:
             penalised = valid & (penalty > 0)
             pairs[P + "penalised_share"] = (penalised.sum(), valid.sum())
             lowered = lowered | penalised
         pairs[P + "lowered_phi_pos_share"] = ((lowered & phi_pos).sum(), lowered.sum())
         w_values, w_counts = _reduce(pairs, group)
-        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share", "shaping_clipped_share"):
+        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share", "shaping_clipped_share", "gate_mean",
+                     "steer_raise_share"):
             if w_counts.get(P + name) == 0:
                 del w_values[P + name]
         metrics.update(w_values)

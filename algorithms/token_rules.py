@@ -1,4 +1,4 @@
-"""The entropy baselines' token rules (clip-cov, kl-cov, 80-20, entropy-adv), registered by name (as verl
+"""The token rules of the entropy baselines and relatives (``RULES`` below lists them), registered by name (as verl
 registers its policy losses).
 
 ``AlgoConfig.token_rule`` is a rule's name (a plain ``--set`` key); ``AlgoConfig.rule`` is the rule object, and
@@ -11,12 +11,12 @@ everything that depends on the rule asks the object, never the name:
 - ``unclipped``: its surrogate is -A r for every token (no clip, no dual clip);
 - ``random``: it draws random numbers, from a generator the engine keeps for it alone;
 - ``choice``: its weights mark a choice (0 dropped; kept tokens 1, or 80-20's N / S), so the telemetry's shares
-  count what it kept; False for weights that scale each token (entropy-adv), whose shares count the weights;
+  count what it kept; False for weights that scale each token (entropy-adv, dg), whose shares count the weights;
 - ``active``: False for "none" only: with a rule active, ``stare_step`` runs every step whatever the telemetry;
 - ``validate(cfg)``: its checks beyond each setting's own range;
 - ``apply(...)``: the step's numbers -> ``(weights, penalty)``, once over the whole step's batch: a 0/1 mask,
-  80-20's N / S weights or entropy-adv's shaping as ``weights``, KL-Cov's coefficients as ``penalty`` (the pure
-  functions of baselines.py);
+  80-20's N / S weights, entropy-adv's shaping or dg's gate as ``weights``, KL-Cov's coefficients as ``penalty``
+  (the pure functions of baselines.py);
 - ``telemetry_sums(...)``: its own telemetry as (numerator, denominator) pairs, summed over the ranks with the rest
   of the step's telemetry (names in step.METRICS, without the ``stare/`` prefix).
 
@@ -66,8 +66,9 @@ class TokenRule:
         torch.distributed group (exact across its ranks), ``generator`` the engine's own (``random`` rules)."""
         return None, None
 
-    def telemetry_sums(self, cfg, advantages, mask, entropy) -> dict:
-        """``{name: (numerator, denominator)}`` 0-dim tensors over this rank's tokens (telemetry "full" only)."""
+    def telemetry_sums(self, cfg, logprobs, advantages, mask, entropy, weights) -> dict:
+        """``{name: (numerator, denominator)}`` 0-dim tensors over this rank's tokens (telemetry "full" only); the
+        arguments as ``apply``'s, and the ``weights`` it returned (this rank's rows)."""
         return {}
 
     def __repr__(self) -> str:
@@ -143,16 +144,68 @@ class EntropyAdvantage(TokenRule):
         return entropy_advantage_weights(advantages, entropy, mask, alpha=cfg.entropy_adv_alpha,
                                          kappa=cfg.entropy_adv_kappa), None
 
-    def telemetry_sums(self, cfg, advantages, mask, entropy) -> dict:
+    def telemetry_sums(self, cfg, logprobs, advantages, mask, entropy, weights) -> dict:
         from .baselines import entropy_advantage_sums
 
         return entropy_advantage_sums(advantages, entropy, mask, alpha=cfg.entropy_adv_alpha,
                                       kappa=cfg.entropy_adv_kappa)
 
 
+class DelightGate(TokenRule):
+    """dg: the Delightful Policy Gradient gate, each token's loss times sigmoid(A (-log p) / dg_eta), log p the old
+    policy's log-prob of the sampled token (detached)."""
+
+    name = "dg"
+    active = True
+    settings = ("dg_eta",)
+    exclusive = ("dg_eta",)
+    choice = False
+
+    def apply(self, cfg, logprobs, advantages, mask, entropy, *, group=None, generator=None):
+        from .baselines import delight_gate_weights
+
+        return delight_gate_weights(logprobs, advantages, mask, eta=cfg.dg_eta), None
+
+    def telemetry_sums(self, cfg, logprobs, advantages, mask, entropy, weights) -> dict:
+        from .baselines import delight_gate_sums
+
+        return delight_gate_sums(weights, advantages, mask)
+
+
+class Steer(TokenRule):
+    """steer: each token's loss times a weight that falls with the size of its estimated entropy change
+    |A (1 - p) (log p + H)| (old policy's p and H), by steer_mapping (exp: down to steer_weight_min for the largest;
+    linear: from steer_weight_max for the smallest to steer_weight_min for the largest), over the step's batch."""
+
+    name = "steer"
+    active = True
+    settings = ("steer_mapping", "steer_weight_min", "steer_weight_max")
+    exclusive = settings
+    needs_entropy = True
+    choice = False
+
+    def validate(self, cfg) -> None:
+        if cfg.steer_mapping == "exp":
+            check_range("steer_weight_min", cfg.steer_weight_min, 0, 1, low_open=True, high_open=True)
+        elif not cfg.steer_weight_max > cfg.steer_weight_min:
+            raise ValueError(f"steer_weight_max {cfg.steer_weight_max!r} must be > steer_weight_min "
+                             f"{cfg.steer_weight_min!r} with steer_mapping linear")
+
+    def apply(self, cfg, logprobs, advantages, mask, entropy, *, group=None, generator=None):
+        from .baselines import steer_weights
+
+        return steer_weights(logprobs, advantages, entropy, mask, mapping=cfg.steer_mapping,
+                             weight_min=cfg.steer_weight_min, weight_max=cfg.steer_weight_max, group=group), None
+
+    def telemetry_sums(self, cfg, logprobs, advantages, mask, entropy, weights) -> dict:
+        from .baselines import steer_sums
+
+        return steer_sums(logprobs, advantages, entropy, mask, weights, weight_min=cfg.steer_weight_min)
+
+
 # THE registry: name -> rule, in the order the choices are listed (the built-in rules, then registered ones).
-RULES: dict[str, TokenRule] = {rule.name: rule
-                               for rule in (TokenRule(), ClipCov(), KLCov(), TopEntropy(), EntropyAdvantage())}
+RULES: dict[str, TokenRule] = {rule.name: rule for rule in (TokenRule(), ClipCov(), KLCov(), TopEntropy(),
+                                                            EntropyAdvantage(), DelightGate(), Steer())}
 _imported: set[str] = set()  # the modules of MODULES_ENV imported so far
 
 

@@ -15,6 +15,8 @@ from fractions import Fraction
 import pytest
 import torch
 
+from stare.algorithms._plain import STEER_MAPPINGS
+from stare.algorithms.baselines import steer_weights
 from stare.algorithms import (
     EntropyStats,
     clip_cov_weights,
@@ -408,6 +410,9 @@ def _rank_main(rank, world, init_file, out_dir):
             out[f"clip_tied{case}"] = clip_cov_weights(*shard, clip_ratio=0.1, cov_low=-1.0, cov_high=1.0,
                                                        keys=tied, group=group)
             out[f"top{case}"] = entropy_top_weights(entropy[rows], mask[rows], top_ratio=0.2, group=group)
+            for mapping in STEER_MAPPINGS:  # the batch's max (and min) |Omega| over both ranks
+                out[f"steer_{mapping}{case}"] = steer_weights(logp[rows], adv[rows], entropy[rows], mask[rows],
+                                                              mapping=mapping, group=group)
             stats = _stats(logp, entropy, mask, seed=case)
             stats = EntropyStats(*(x[rows] for x in stats))
             cfg = get_algorithm("clip-cov", clip_ratio=0.1, cov_low=0.0, cov_high=0.8)
@@ -435,6 +440,12 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path):
         logp, adv, mask, entropy = _batch(seed=10 + case, B=8, T=12, per_token=per_token)
         keys = torch.rand(logp.shape, generator=torch.Generator().manual_seed(case))
         assert torch.equal(joined(f"cov{case}"), token_covariance(logp, adv, mask))
+        for mapping in STEER_MAPPINGS:
+            whole = steer_weights(logp, adv, entropy, mask, mapping=mapping)
+            assert torch.equal(joined(f"steer_{mapping}{case}"), whole)
+            assert not torch.equal(parts[0][f"steer_{mapping}{case}"],  # a rank alone would weigh otherwise
+                                   steer_weights(logp[ROWS[0]], adv[ROWS[0]], entropy[ROWS[0]], mask[ROWS[0]],
+                                                 mapping=mapping))
         assert torch.equal(joined(f"kl{case}"), _brute_kl_cov(logp, adv, mask, 0.1, 0.5))
         assert torch.equal(joined(f"clip{case}"), _brute_clip_cov(logp, adv, mask, keys, 0.1, 0.0, 0.8))
         tied = torch.full(logp.shape, 0.25)

@@ -322,9 +322,10 @@ def test_algos_settings_lists_every_key_with_defaults_and_meaning():
     assert {n: c.clip_high for n, c in ALGORITHMS.items()} == {"grpo": 0.2, "dr-grpo": 0.2, "dapo": 0.28,
                                                                "stare": 0.28, "stare-c2": 0.28, "stare-phi": 0.28,
                                                                "clip-cov": 1.0, "kl-cov": 0.2, "80-20": 0.28,
-                                                               "entropy-adaptive": 0.2, "entropy-adv": 0.2}
+                                                               "entropy-adaptive": 0.2, "entropy-adv": 0.2,
+                                                               "dg": 0.2, "steer": 0.28}
     assert rows["clip_high"][1] == "0.2 (dapo, stare,"
-    assert "stare algorithms" in res.stdout and "80-20: 0.28; clip-cov: 1)" in res.stdout
+    assert "stare algorithms" in res.stdout and "steer: 0.28;" in res.stdout and "clip-cov: 1)" in res.stdout
     assert rows["w"][1] == "1.1 (stare-phi: 2)" and rows["std_norm"][1] == "true (dr-grpo: false)"
     steps = {p.name: p.settings["steps"] for p in local}
     assert steps["tiny-cpu"] == 200 and steps["smollm-cpu"] == 30

@@ -104,9 +104,9 @@ def test_arms_of_one_algorithm_with_other_settings_are_separate_rows_with_one_co
 
     palette = list(range(20))
     names = ("grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20",
-             "entropy-adaptive", "entropy-adv")
-    assert [colour(a, palette) for a in names] == list(range(11))  # the registry's order (`stare algos`)
-    assert colour(None, palette) == colour("unknown", palette) == 11  # one colour past the registry's
+             "entropy-adaptive", "entropy-adv", "dg", "steer")
+    assert [colour(a, palette) for a in names] == list(range(13))  # the registry's order (`stare algos`)
+    assert colour(None, palette) == colour("unknown", palette) == 13  # one colour past the registry's
     drawn = [colour(a, plot_palette()) for a in (*names, None)]  # and the plots' colours are all distinct
     assert len(set(drawn)) == len(drawn)
 

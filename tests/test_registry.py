@@ -6,8 +6,8 @@ from stare.algorithms import ALGORITHMS, TOKEN_RULES, BandGate, PaperGate, get_a
 
 def test_names():
     assert list(ALGORITHMS) == ["grpo", "dr-grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov",
-                                "80-20", "entropy-adaptive", "entropy-adv"]
-    assert TOKEN_RULES == ("none", "clip-cov", "kl-cov", "80-20", "entropy-adv")
+                                "80-20", "entropy-adaptive", "entropy-adv", "dg", "steer"]
+    assert TOKEN_RULES == ("none", "clip-cov", "kl-cov", "80-20", "entropy-adv", "dg", "steer")
 
 
 def test_the_entropy_controls_carry_their_sources_settings():
@@ -166,8 +166,8 @@ def test_token_rules_are_a_registry_that_everything_asks():
         assert rule.active == (name != "none")
     assert [n for n, r in RULES.items() if r.unclipped] == ["kl-cov"]
     assert [n for n, r in RULES.items() if r.random] == ["clip-cov"]
-    assert [n for n, r in RULES.items() if r.needs_entropy] == ["80-20", "entropy-adv"]
-    assert [n for n, r in RULES.items() if not r.choice] == ["entropy-adv"]  # its weights scale, not choose
+    assert [n for n, r in RULES.items() if r.needs_entropy] == ["80-20", "entropy-adv", "steer"]
+    assert [n for n, r in RULES.items() if not r.choice] == ["entropy-adv", "dg", "steer"]  # weights scale, not choose
     for name, cfg in ALGORITHMS.items():
         assert cfg.rule is RULES[cfg.token_rule] and cfg.unclipped == cfg.rule.unclipped, name
     with pytest.raises(ValueError, match="unknown token_rule 'clipcov'; valid choices: none, clip-cov"):

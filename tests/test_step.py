@@ -407,7 +407,7 @@ def _three_steps(cfg, logp, adv, mask, stats):
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "stare", "stare-c2", "stare-phi", "clip-cov", "kl-cov", "80-20",
-                                  "entropy-adaptive", "entropy-adv"])
+                                  "entropy-adaptive", "entropy-adv", "dg", "steer"])
 def test_an_unused_setting_changes_no_weight_and_no_number(algo):
     from stare.algorithms import ALGORITHMS
 

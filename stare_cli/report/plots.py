@@ -33,7 +33,7 @@ def colour(algo: str | None, palette) -> tuple:
 
 
 def palette() -> tuple:
-    """The arms' colours: matplotlib's tab10, then Dark2's, so that every registered algorithm (11) and the colour
+    """The arms' colours: matplotlib's tab10, then Dark2's, so that every registered algorithm (up to 17) and the colour
     for other names are distinct."""
     import matplotlib
 
