@@ -99,7 +99,19 @@ def _comparable(config: dict) -> dict:
             out[section] = {k: v for k, v in out[section].items() if k not in keys}
     if config.get("backend") == "local":
         out["settings"] = {**LOCAL_SETTINGS_BEFORE, **out["settings"]}
+    if isinstance(out.get("algo"), dict):  # algorithm settings newer than the folder read as their default (each new
+        out["algo"] = {**_algo_defaults(), **out["algo"]}  # one is inert there: a rule's own, or a bonus off)
     return out
+
+
+def _algo_defaults() -> dict:
+    """Every algorithm setting's field default (``AlgoConfig``), less ``RESUMABLE_CHANGES``."""
+    from dataclasses import MISSING, fields
+
+    from stare.algorithms import AlgoConfig
+
+    return {f.name: f.default for f in fields(AlgoConfig)
+            if f.default is not MISSING and f.name not in RESUMABLE_CHANGES["algo"]}
 
 
 def prepare_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:

@@ -82,3 +82,22 @@ def test_a_broken_marker_or_config_is_one_line_exit_2(tmp_path):
     (run / "config.yaml").write_text("algo: [unclosed\n")
     with pytest.raises(RunDirError, match="config.yaml is not valid YAML"):
         check_run_dir(run, {"preset": "tiny-cpu", "algo": {"name": "grpo"}}, True)
+
+
+def test_a_folder_from_before_an_algorithm_setting_existed_resumes(tmp_path):
+    """A run's config.yaml written before dg_eta and steer_* were settings (its algo section lacks them) resumes with
+    today's resolved config, whose values there are their defaults; a changed value, old or new, is still refused."""
+    from stare.cli.presets import resolve
+
+    resolved = resolve("tiny-cpu", "grpo", [])
+    old = yaml.safe_load(yaml.safe_dump(resolved, sort_keys=False))
+    for key in ("dg_eta", "steer_mapping", "steer_weight_min", "steer_weight_max"):
+        del old["algo"][key]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert check_run_dir(tmp_path, resolved, resume=True) is True
+    with pytest.raises(RunDirError, match="was started with other settings"):
+        check_run_dir(tmp_path, resolve("tiny-cpu", "grpo", ["clip_high=0.3"]), resume=True)
+    old["algo"]["dg_eta"] = 2.0  # a folder that names a value other than the default keeps it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with pytest.raises(RunDirError, match="was started with other settings"):
+        check_run_dir(tmp_path, resolved, resume=True)
