@@ -6,8 +6,8 @@ SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention supports), conve
 package's GGUF as in the smollm-cpu preset. Each `stare eval` runs as a subprocess with that environment's python;
 the checks are computed here, independently: token counts by re-tokenising the responses with the model's
 tokenizer, avg@k from the `correct` fields, reproduction by comparing a resumed run in a fresh engine with the
-first one. `--batching` (every problem in flight against one at a time, each killed with SIGKILL and resumed, and
-on two engines) runs on a random one-layer Llama with long prompts, compared byte for byte.
+first one. `--batching` (every problem in flight, killed with SIGKILL and resumed, and on two engines, against one
+problem at a time) runs on a random one-layer Llama with long prompts, compared byte for byte.
 
 `scripts/vllm_cpu_probe.py` records how the engine behaves on the points the fast tests' stand-in
 (tests/test_eval_vllm.py) copies; the probe tests below keep those findings checked.
@@ -49,7 +49,7 @@ PROBLEMS = [
 # --batching: the ten longest AIME 2025 problems on a random one-layer Llama (tests/tiny_models.py, head size 64)
 # whose byte-level tokenizer makes each prompt 500-1500 tokens, so that every problem in flight at once is more
 # prompt than one step of vLLM's chunked prefill takes (4096 on CPU): with chunked prefill on, the CPU engine
-# crashes on that with seeded requests (eval/backends.py, VLLMBackend); the model is fast enough for eight
+# crashes on that with seeded requests (eval/backends.py, VLLMBackend); the model is fast enough for four
 # evaluations. K and MAX_TOKENS as above.
 LONG = sorted((json.loads(line) for line in (REPO / "eval" / "data_files" / "aime25.jsonl").read_text().splitlines()),
               key=lambda r: -len(r["problem"]))[:10]
@@ -225,16 +225,14 @@ def _probe(model_dir, work) -> dict:
 def engine_runs(model_dir, tiny_dir, work) -> dict:
     """The module's engine processes, about two at a time (most of an engine's start is one busy core): in one lane
     SmolLM2's first eval, its resume, the tool-use eval and the probe; in the other the tiny model's long-prompt
-    evaluations: one problem at a time, every problem in flight, each of those killed and resumed, and on two
-    engines."""
+    evaluations: one problem at a time, every problem in flight killed and resumed, and every problem in flight on
+    two engines."""
     def smollm_lane():
         first = _first(model_dir, work)
         return first, _resumed(model_dir, work, first), _tools(model_dir, work), _probe(model_dir, work)
 
     def batching_lane():
         return {"problem": _long(tiny_dir, work, "long-problem", "--batching", "problem"),
-                "all": _long(tiny_dir, work, "long-all"),
-                "killed-problem": _killed(tiny_dir, work, "killed-problem", "--batching", "problem"),
                 "killed-all": _killed(tiny_dir, work, "killed-all"),
                 "engines2": _long(tiny_dir, work, "engines2", "--engines", "2")}
 
@@ -335,44 +333,29 @@ def _texts(path: Path) -> list[str]:
     return (path / "samples.jsonl").read_text().splitlines()
 
 
-def test_a_kill_and_resume_one_problem_at_a_time_is_bit_exact(engine_runs):
-    """--batching problem, killed with SIGKILL after its first problem and resumed in a fresh engine: the samples of
-    the uninterrupted run, byte for byte (that mode's promise on any device), the problems on disk kept."""
-    out, left = engine_runs["killed-problem"]
-    assert _texts(out) == _texts(engine_runs["problem"])
-    assert set(left) <= set(_texts(out))
-    assert json.loads((out / "eval_settings.json").read_text())["batching"] == "problem"
-
-
-def test_every_problem_in_flight_on_the_cpu_engine(engine_runs, tiny_dir):
-    """--batching all (the default): more prompt tokens in flight than one step of chunked prefill takes, which
-    crashes vllm-cpu with seeded requests (``CPU Generator does not use offset``) unless stare eval turns chunked
-    prefill off there (eval/backends.py); it finished, with the samples of one problem at a time: this engine's
-    arithmetic does not depend on the batch (docs/evaluation.md, "Batching")."""
+def test_every_problem_in_flight_on_the_cpu_engine_killed_resumed_and_on_two_engines(engine_runs, tiny_dir):
+    """--batching all (the default), killed with SIGKILL after its first problem and resumed (the rest in flight in a
+    fresh engine), and dealt between two engines: more prompt tokens in flight than one step of chunked prefill takes,
+    which crashes vllm-cpu with seeded requests (``CPU Generator does not use offset``) unless stare eval turns
+    chunked prefill off there (eval/backends.py); both finished with the samples of one problem at a time, byte for
+    byte: this engine's arithmetic does not depend on the batch, so the contract's bit-exact case holds
+    (docs/evaluation.md, "Batching"). The problems the kill left on disk were kept; the file is in the bench's
+    order, whatever order the problems completed in."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     in_flight = sum(len(tok(f"{r['problem']}\n{BOXED_INSTRUCTION}", add_special_tokens=False)["input_ids"])
                     for r in LONG)  # distinct prompts: the k samples of one share its prefill through the cache
     assert in_flight > CHUNKED_PREFILL_BUDGET, in_flight
-    out = engine_runs["all"]
+    out, left = engine_runs["killed-all"]
     record = json.loads((out / "eval_settings.json").read_text())
     assert record["batching"] == "all" and "bit-exact" in record["batching_contract"]
     assert json.loads((out / "summary.json").read_text())["batching"] == "all"
-    # the file is in the bench's problem order, whatever order the problems completed in
     assert [(r["problem_id"], r["sample_idx"]) for r in read_samples(out)] == \
         [(r["id"], j) for r in LONG for j in range(K)]
-    assert _texts(out) == _texts(engine_runs["problem"])
-
-
-def test_every_problem_in_flight_killed_resumed_and_on_two_engines_gives_the_same_samples(engine_runs):
-    """--batching all killed with SIGKILL after its first problem and resumed (the rest in flight in a fresh
-    engine), and dealt between two engines: the uninterrupted run's samples byte for byte, as the contract says
-    where the engine's arithmetic ignores the batch (the test above shows it does here)."""
-    out, left = engine_runs["killed-all"]
-    want = _texts(engine_runs["all"])
+    want = _texts(engine_runs["problem"])
     assert _texts(out) == want
-    assert set(left) <= set(want)  # the problems the kill left were kept
+    assert set(left) <= set(want)
     assert _texts(engine_runs["engines2"]) == want
     summary = json.loads((engine_runs["engines2"] / "summary.json").read_text())
     assert summary["engines"] == 2 and summary["backend"] == "vllm" and summary["batching"] == "all"
