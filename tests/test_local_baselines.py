@@ -209,3 +209,30 @@ def test_entropy_adv_weights_reach_the_loss(tmp_path, warm, monkeypatch):
     _, cfg, logp, adv, mask, stats = seen["args"]
     assert torch.equal(real(None, cfg, logp, adv, mask, stats).weights,
                        entropy_advantage_weights(adv, stats.entropy, mask, alpha=0.4, kappa=2.0))
+
+
+@pytest.mark.parametrize("algo,metric", [("dg", "stare/gate_mean"), ("steer", "stare/steer_floor_share")])
+def test_dg_and_steer_weights_reach_the_loss(tmp_path, warm, monkeypatch, algo, metric):
+    """The local engine's step: the rule's weights (computed here from the step's own inputs by the pure function,
+    and checked against those inputs' definition in tests/test_delight_gate.py and tests/test_steer.py) go into
+    every micro-batch's policy_loss, with the rule's clip; its telemetry is in the step's record."""
+    from stare.algorithms.baselines import delight_gate_weights, steer_weights
+
+    t, rec, steps, losses = _one_step(algo, tmp_path / algo, warm, monkeypatch)
+    [(_, micros, step)] = steps
+    assert step.weights is not None and step.penalty is None
+    for (_, old, adv, mask, kw, _), micro in zip(losses, micros):
+        assert kw["clip"] is True and torch.equal(kw["weights"], step.weights[micro])
+        assert (kw["clip_low"], kw["clip_high"]) == ((0.2, 0.2) if algo == "dg" else (0.2, 0.28))
+    assert 0 < rec[metric] < 1
+    old = torch.cat([o for (_, o, *_rest) in losses])
+    rows = torch.cat([torch.as_tensor(m) for m in micros])
+    adv = torch.cat([a for (_, _, a, *_rest) in losses])
+    mask = torch.cat([m for (_, _, _, m, *_rest) in losses])
+    weights = step.weights[rows]
+    if algo == "dg":
+        want = delight_gate_weights(old, adv, mask)
+        assert torch.equal(weights, want)
+    else:
+        assert float(weights[mask.bool()].min()) == pytest.approx(0.8) and float(weights.max()) <= 1.0
+        assert not torch.equal(weights, torch.ones_like(weights))

@@ -142,6 +142,9 @@ RUNS = [
     # 0.2 target, so its bonus acts from step 1
     Run("entropy-adaptive", "entropy-adaptive"),
     Run("entropy-adv", "entropy-adv"),
+    # STARE's closest relatives, on their defaults
+    Run("dg", "dg"),
+    Run("steer", "steer"),
 ]
 STEPS = {r.name: r.steps for r in RUNS}
 KILLED = [r.name for r in RUNS if r.expect_rc != 0]
@@ -676,6 +679,28 @@ def test_entropy_adv_shapes_the_advantages_of_the_tokens_it_should(results):
         assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
         assert all(0 <= v <= 1 for v in tags[tag].values()), (tag, tags[tag])
     assert all(v > 0 for v in tags["train/stare/shaped_share"].values()), tags["train/stare/shaped_share"]
+
+
+def test_dg_and_steer_weigh_the_tokens_they_should(results):
+    """dg's gate and steer's weights at both steps, from their telemetry: the gate's mean strictly inside (0, 1) over
+    the A != 0 tokens (a sigmoid of finite delights) with its near-0 / near-1 shares in [0, 1]; steer's weights in
+    [0.8, 1) on average, every response token reweighted (each has an estimated change), its shares in [0, 1]. (The
+    tiny model's largest estimated change is under steer's 0.02 floor of the max, measured 0.9986 as the mean
+    weight, so no token reaches 0.8 here; tests/test_steer.py checks the floor.)"""
+    tags = scalars(ok(results, "dg").out)
+    for tag in ("train/stare/gate_mean", "train/stare/gate_low_share", "train/stare/gate_high_share"):
+        assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
+    assert all(0 < v < 1 for v in tags["train/stare/gate_mean"].values()), tags["train/stare/gate_mean"]
+    assert all(0 <= v <= 1 for tag in ("train/stare/gate_low_share", "train/stare/gate_high_share")
+               for v in tags[tag].values())
+    tags = scalars(ok(results, "steer").out)
+    for tag in ("train/stare/mean_weight", "train/stare/steer_floor_share", "train/stare/steer_raise_share",
+                "train/stare/positive_reweight_ratio"):
+        assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
+    for step in (1, 2):
+        assert 0.8 - 1e-6 <= tags["train/stare/mean_weight"][step] < 1.0, tags["train/stare/mean_weight"]
+        assert tags["train/stare/positive_reweight_ratio"][step] > 0
+        assert all(0 <= tags[t][step] <= 1 for t in ("train/stare/steer_floor_share", "train/stare/steer_raise_share"))
 
 
 def test_compare_gives_the_run_a_row_with_entropy_and_reward(results, work):

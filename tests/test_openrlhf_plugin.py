@@ -400,6 +400,18 @@ def test_the_adaptive_entropy_bonus_is_openrlhfs_entropy_term_with_the_controlle
     assert args_b.actor.entropy_coef == pytest.approx(0.6)
 
 
+def _assert_weighted_grads(m_ours, exp, weights, *, clip, dual_clip):
+    """The trained model's gradient equals that of the clipped loss with ``weights`` written out by hand
+    (``_hand_loss`` on a fresh model), and differs from the unweighted loss's (the weights matter here)."""
+    m_hand = _model()
+    _hand_loss(m_hand, exp, weights, clip=clip, dual_clip=dual_clip).backward()
+    g_ours = _grads(m_ours)
+    assert torch.allclose(g_ours, _grads(m_hand), rtol=1e-4, atol=1e-6)
+    m_plain = _model()
+    _hand_loss(m_plain, exp, torch.ones_like(weights), clip=clip, dual_clip=dual_clip).backward()
+    assert (g_ours - _grads(m_plain)).abs().max() > 1e-3 * g_ours.abs().max()
+
+
 def test_entropy_adv_shapes_the_advantages_inside_openrlhfs_loss(monkeypatch):
     """entropy-adv through OpenRLHF's ppo_train: the gradient of OpenRLHF's loss equals the clipped loss with
     A + min(0.4 H, |A| / 2) written out by hand, H the old policy's entropy computed here."""
@@ -410,14 +422,37 @@ def test_entropy_adv_shapes_the_advantages_inside_openrlhfs_loss(monkeypatch):
     a = exp.advantages
     shaped = torch.where(a == 0, 0.0, a + torch.minimum(0.4 * h, a.abs() / 2.0))
     weights = torch.where(a == 0, 1.0, shaped / torch.where(a == 0, 1.0, a))
-    m_hand = _model()
-    _hand_loss(m_hand, exp, weights, clip=(0.2, 0.2), dual_clip=1e9).backward()
-    g_ours = _grads(m_ours)
-    assert torch.allclose(g_ours, _grads(m_hand), rtol=1e-4, atol=1e-6)
-    m_plain = _model()
-    _hand_loss(m_plain, exp, torch.ones_like(weights), clip=(0.2, 0.2), dual_clip=1e9).backward()
-    assert (g_ours - _grads(m_plain)).abs().max() > 1e-3 * g_ours.abs().max()
+    _assert_weighted_grads(m_ours, exp, weights, clip=(0.2, 0.2), dual_clip=1e9)
     nonzero = exp.action_mask & (a != 0)
     clipped = nonzero & (0.4 * h >= a.abs() / 2)
     assert status["stare/shaped_share"] == pytest.approx(1.0)
     assert status["stare/shaping_clipped_share"] == pytest.approx(float(clipped.sum() / nonzero.sum()), abs=1e-6)
+
+
+def test_dg_gates_the_loss_inside_openrlhfs_loss(monkeypatch):
+    """dg through OpenRLHF's ppo_train: the gradient of OpenRLHF's loss equals GRPO's clipped loss times
+    sigmoid(A (-log p_old)) written out by hand, log p_old the experience's action log-probs."""
+    args = _args(clip=(0.2, 0.2), dual_clip=None)
+    ours, m_ours, exp, status = _through_ppo_train(monkeypatch, args, "dg")
+    a, old = exp.advantages, exp.action_log_probs
+    gate = torch.where(exp.action_mask, 1.0 / (1.0 + torch.exp(a * old)), 1.0)  # sigmoid(-A log p) by its definition
+    _assert_weighted_grads(m_ours, exp, gate, clip=(0.2, 0.2), dual_clip=1e9)
+    acted = exp.action_mask & (a != 0)
+    assert status["stare/gate_mean"] == pytest.approx(float(gate[acted].mean()), rel=1e-5)
+
+
+def test_steer_weighs_the_loss_inside_openrlhfs_loss(monkeypatch):
+    """steer through OpenRLHF's ppo_train: the gradient equals DAPO's clipped loss (0.2/0.28, dual clip 10) times
+    clamp(exp(-k |A (1 - p) (log p + H)|), 0.8, 1), k = -ln 0.8 / max|.|, written out by hand from the experience's
+    log-probs and the old policy's entropy computed here."""
+    args = _args(clip=(0.2, 0.28), dual_clip=10.0)
+    ours, m_ours, exp, status = _through_ppo_train(monkeypatch, args, "steer")
+    with torch.no_grad():
+        h = _response_entropy(_model(), exp)
+    a, logp, mask = exp.advantages, exp.action_log_probs, exp.action_mask
+    p = logp.exp()
+    size = torch.where(mask, (a * (1 - p) * (logp + h)).abs(), 0.0)
+    k = -math.log(0.8) / max(float(size.max()), 0.02)
+    weights = torch.where(mask, torch.exp(-k * size).clamp(0.8, 1.0), 1.0)
+    _assert_weighted_grads(m_ours, exp, weights, clip=(0.2, 0.28), dual_clip=10.0)
+    assert status["stare/steer_floor_share"] == pytest.approx(1 / float(mask.sum()), rel=1e-5)
