@@ -15,7 +15,7 @@ from .token_rules import TOKEN_RULES, TokenRule, get_token_rule, register_token_
 _LAZY = {
     "_checks": ("check_finite",),
     "baselines": ("clip_cov_seed", "clip_cov_weights", "delight_gate_weights", "entropy_advantage_weights",
-                  "entropy_top_weights",
+                  "entropy_top_weights", "steer_change", "steer_weights",
                   "floor_count", "kl_cov_coefs", "token_covariance"),
     "advantages": ("group_advantages", "informative_groups", "overlong_penalty"),
     "entropy": ("EntropyStats", "entropy_forecast_sums", "entropy_sensitivity", "masked_mean",
@@ -54,6 +54,7 @@ __all__ = [
     "informative_groups",
     "kl_cov_coefs", "kth_largest", "masked_mean", "metrics_markdown", "overlong_penalty", "policy_loss",
     "predicted_entropy_change", "quadrant_stats", "quadrant_sums", "register_token_rule", "reweight_stats",
-    "reweight_sums", "stare_step", "stare_token_weights", "token_covariance", "token_entropy", "top_count",
+    "reweight_sums", "stare_step", "stare_token_weights", "steer_change", "steer_weights", "token_covariance",
+    "token_entropy", "top_count",
     "upgrade_metric_names",
 ]

@@ -96,6 +96,13 @@ def metric_lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+# How long a stopped `stare run` may take to end every process of its session. Stopping takes the workers' grace
+# (stopping.GRACE_S, 10 s) at most plus the parent's own exit, under 15 s on a quiet 2-core machine; a clean-clone CI
+# run measured 38 s for SIGTERM while the other pytest worker's vLLM engines held both cores. The bound says "stopped,
+# not finished": the rest of the training would take longer, and the tests below also check that it did not finish.
+RUN_STOP_S = 60
+
+
 def test_stare_run_stops_on_ctrl_c_sigterm_and_kill_then_resumes_to_the_uninterrupted_table(tmp_path):
     args = ["run", "--preset", "tiny-cpu", "--algos", "grpo,stare", *sets("steps=24", "save_every=3")]
     straight = tmp_path / "a" / "r"
@@ -110,7 +117,7 @@ def test_stare_run_stops_on_ctrl_c_sigterm_and_kill_then_resumes_to_the_uninterr
     wait_until(lambda: workers(proc.pid), proc=proc, what="the warm start's worker")  # one seed: one warm start
     rc, seconds, err, pids = signal_and_measure(proc, signal.SIGINT, group=True)
     assert rc == 130, err[-3000:]
-    assert seconds < 15, seconds
+    assert seconds < RUN_STOP_S, seconds
     resume = ("stare run --preset tiny-cpu --algos grpo,stare " + " ".join(f"--set {s}" for s in
               [*FAST, "steps=24", "save_every=3"]) + f" --out {out} --resume")
     assert "stopped by SIGINT: 1 worker(s) stopped, 0 queued job(s) not started" in err and err.rstrip().endswith(f"Continue with: {resume}"), err
@@ -122,7 +129,7 @@ def test_stare_run_stops_on_ctrl_c_sigterm_and_kill_then_resumes_to_the_uninterr
     wait_until(lambda: metric_lines(out / "grpo" / "metrics.jsonl") >= 7, proc=proc, what="grpo's 7th step")
     rc, seconds, err, pids = signal_and_measure(proc, signal.SIGTERM)
     assert rc == 143 and "stopped by SIGTERM" in err, err[-3000:]
-    assert seconds < 15, seconds
+    assert seconds < RUN_STOP_S, seconds
     stopped_at = metric_lines(out / "grpo" / "metrics.jsonl")
     assert 7 <= stopped_at < 24 and not (out / "grpo" / "eval.json").exists()
     assert (out / "grpo" / "checkpoint" / "trainer_state.pt").is_file()  # the last whole checkpoint, none cut
@@ -134,7 +141,7 @@ def test_stare_run_stops_on_ctrl_c_sigterm_and_kill_then_resumes_to_the_uninterr
     wait_until(lambda: len(workers(proc.pid)) == 2 and metric_lines(out / "stare" / "metrics.jsonl") >= 1, proc=proc,
                what="both arms training")
     rc, seconds, err, pids = signal_and_measure(proc, signal.SIGKILL)
-    assert rc == -signal.SIGKILL and seconds < 15, (rc, seconds)
+    assert rc == -signal.SIGKILL and seconds < RUN_STOP_S, (rc, seconds)
     lock = json.loads((out / ".stare-lock").read_text())
     assert lock["pid"] == proc.pid
 
