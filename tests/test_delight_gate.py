@@ -10,6 +10,7 @@ import torch
 
 from stare.algorithms import EntropyStats, delight_gate_weights, get_algorithm, policy_loss, stare_step
 from stare.algorithms.baselines import DG_NEAR, delight_gate_sums
+from test_entropy_controls import step_batch
 
 
 def _sigmoid(x: float) -> float:
@@ -126,19 +127,11 @@ def test_on_policy_the_gradient_is_the_papers_gated_score():
 def test_the_dg_step_gates_the_loss_exactly():
     """Through stare_step and policy_loss on dg's defaults (eta 1, clip 0.2/0.2, token-mean): the loss written out by
     hand, and the step's telemetry."""
-    g = torch.Generator().manual_seed(5)
-    B, T = 6, 5
     cfg = get_algorithm("dg")
     assert (cfg.token_rule, cfg.dg_eta, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg,
             cfg.dynamic_sampling, cfg.stare, cfg.entropy_bonus) == \
         ("dg", 1.0, 0.2, 0.2, None, "token-mean", False, False, False)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, 3:] = False
-    old = -torch.rand(B, T, generator=g) * 3
-    new = old + 0.3 * torch.randn(B, T, generator=g)
-    adv = torch.tensor([1.2, -0.4, 0.0, 0.7, -1.5, 0.3])
-    ent = torch.rand(B, T, generator=g) * 2
-    phi = torch.randn(B, T, generator=g)
+    mask, old, new, adv, ent, phi = step_batch()  # the batch the entropy-adv step test uses
     step = stare_step(None, cfg, old, adv, mask, EntropyStats(ent, -old, phi))
     assert step.penalty is None
     loss, _ = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2, weights=step.weights)

@@ -164,11 +164,11 @@ def test_shaped_advantages_against_a_loop_at_the_bound_and_on_both_signs():
     assert [float(x) for x in sums["shaping_clipped_share"]] == [6.0, 8.0]
 
 
-def test_the_entropy_adv_step_shapes_the_loss_exactly():
-    """Through stare_step and policy_loss: the clipped loss with the shaped advantages written out by hand."""
+def step_batch():
+    """A step's numbers for the token rules' loss-by-hand tests: 6 sequences of 5 tokens (one cut at 3), the old and
+    the trained log-probs, per-sequence advantages of both signs and one 0, the old policy's entropy and Phi."""
     g = torch.Generator().manual_seed(5)
     B, T = 6, 5
-    cfg = get_algorithm("entropy-adv")
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 3:] = False
     old = -torch.rand(B, T, generator=g) * 3
@@ -176,6 +176,13 @@ def test_the_entropy_adv_step_shapes_the_loss_exactly():
     adv = torch.tensor([1.2, -0.4, 0.0, 0.7, -1.5, 0.3])
     ent = torch.rand(B, T, generator=g) * 2
     phi = torch.randn(B, T, generator=g)
+    return mask, old, new, adv, ent, phi
+
+
+def test_the_entropy_adv_step_shapes_the_loss_exactly():
+    """Through stare_step and policy_loss: the clipped loss with the shaped advantages written out by hand."""
+    cfg = get_algorithm("entropy-adv")
+    mask, old, new, adv, ent, phi = step_batch()
     step = stare_step(None, cfg, old, adv, mask, EntropyStats(ent, -old, phi))
     loss, _ = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2, weights=step.weights)
     shaped = adv[:, None] + torch.minimum(0.4 * ent, adv.abs()[:, None] / 2.0)
