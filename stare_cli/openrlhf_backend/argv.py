@@ -224,6 +224,8 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     flag("vllm.num_engines", s["vllm_engines"])
     flag("vllm.tensor_parallel_size", s["vllm_tensor_parallel"])
     flag("vllm.gpu_memory_utilization", s["vllm_gpu_memory_utilization"])
+    if s["vllm_enforce_eager"]:
+        flag("vllm.enforce_eager")  # no CUDA graphs (sleep mode + captured graphs + CUDA-IPC weight loads: untried)
     if s["colocate"]:
         flag("train.colocate_all")
         flag("vllm.enable_sleep")

@@ -10,8 +10,9 @@ from pathlib import Path
 PATCH_DIR = Path(__file__).resolve().parent
 TESTS = PATCH_DIR.parent
 PRESET = "qwen-7b-short-cot"
-# what vLLM's CPU build and the CPU run need (no flash-attn, no NCCL, no CUDA graphs)
-CPU_FLAGS = "--ds.attn_implementation sdpa --vllm.sync_backend gloo --vllm.enforce_eager"
+# what vLLM's CPU build and the CPU run need (no flash-attn, no NCCL); no CUDA graphs is the setting
+# vllm_enforce_eager in SIZING (its --vllm.enforce_eager comes from stare train's argv, once)
+CPU_FLAGS = "--ds.attn_implementation sdpa --vllm.sync_backend gloo"
 
 # The shared sizing: 3 problems x 8 samples per step, 16 new tokens. One DeepSpeed optimizer step per group of 8
 # (train_batch_size = samples_per_prompt), so dynamic filtering never leaves half an accumulation window. With 8
@@ -20,7 +21,7 @@ CPU_FLAGS = "--ds.attn_implementation sdpa --vllm.sync_backend gloo --vllm.enfor
 SIZING = ["colocate=false", "packing=false", "apply_chat_template=false", "gpus_per_node=1", "vllm_engines=1",
           "samples_per_prompt=8", "prompts_per_step=3", "train_batch_size=8", "micro_batch_size=8",
           "rollout_micro_batch_size=8", "max_prompt_len=64", "max_response_len=16", "save_steps=1",
-          "max_checkpoints=2", "episodes=2"]
+          "max_checkpoints=2", "episodes=2", "vllm_enforce_eager=true"]
 
 
 def loop_env(env_dir: Path, *, gpus: int, ray_tmpdir: str, patch_log: Path, positions: Path | None = None,
