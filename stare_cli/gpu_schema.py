@@ -99,7 +99,7 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("vllm_gpu_memory_utilization", float, 0.6, "share of GPU memory vLLM may take", low=0, high=1,
             low_open=True),
     Setting("vllm_enforce_eager", bool, True, "vLLM decodes without CUDA graphs (OpenRLHF's --vllm.enforce_eager; "
-            "on, as OpenRLHF 0.11.2's own colocate + sleep example runs); false captures CUDA graphs: faster "
+            "on, as the pinned OpenRLHF's own colocate + sleep example runs); false captures CUDA graphs: faster "
             "decoding, more GPU memory, and never run by this project under vLLM's sleep mode"),
     Setting("colocate", bool, True, "actor and vLLM share the GPUs (vLLM sleeps while the actor trains)"),
     Setting("zero_stage", int, 3, "DeepSpeed ZeRO stage (0-3)", choices=(0, 1, 2, 3)),
