@@ -20,10 +20,17 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # removed (as OpenRLHF's own image does): packages of the base image that conflict with vLLM / DeepSpeed's
 # requirements or their own CUDA builds. pip uninstall skips (exit 0) a package that is absent, and fails on a
 # real error, which stops the build.
+# triton: the one torch 2.13.0 pins (its Requires-Dist), named here because CI compiles stare's Triton kernel for
+# sm_80 and sm_90 with the test extra's triton, which must be this one (a test compares them).
+# packaging, wheel, ninja, psutil: what flash-attn 2.8.3's setup.py needs from this environment under
+# --no-build-isolation (below): it imports packaging and wheel.bdist_wheel, lists packaging, psutil and ninja as
+# setup_requires, imports psutil when MAX_JOBS is unset, and without the ninja binary torch falls back to a serial
+# build. (setuptools, which torch requires, also carries packaging and wheel; these pins do not rely on that.)
 RUN pip uninstall -y torch torchvision torchaudio transformer-engine flash-attn \
         xgboost torchao pynvml opencv-python-headless \
-    && pip install --no-cache-dir "torch==2.13.0" "vllm==0.29.0" "deepspeed==0.19.6" "ray[default]==2.55.0" \
-        "transformers==5.15.0"
+    && pip install --no-cache-dir "torch==2.13.0" "triton==3.7.1" "vllm==0.29.0" "deepspeed==0.19.6" \
+        "ray[default]==2.55.0" "transformers==5.15.0" \
+        "packaging==26.4" "wheel==0.48.0" "ninja==1.13.2" "psutil==7.2.2"
 
 # flash-attn: a wheel found in the build context's docker-wheels/ (from an earlier build of this image) is
 # installed as is; otherwise it is built here and kept in /opt/wheels (copy it out with `docker cp`).

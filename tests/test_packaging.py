@@ -185,3 +185,40 @@ def test_dockerfile_build_settings():
     flash = next(r for r in runs if "flash-attn==2.8.3" in r)
     assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}"' in flash and 'MAX_JOBS="${MAX_JOBS}"' in flash
     assert "COPY docker-wheels/ /tmp/docker-wheels/" in steps and (REPO / "docker-wheels").is_dir()
+
+
+# What flash-attn 2.8.3's setup.py takes from the environment it is built in (pip wheel --no-build-isolation):
+# torch and setuptools (torch requires it); packaging and wheel.bdist_wheel, imported at the top; psutil, imported
+# when MAX_JOBS is unset; packaging, psutil and ninja, its setup_requires; the ninja binary, without which torch's
+# BuildExtension falls back to a serial build.
+FLASH_ATTN_BUILD_NEEDS = ("torch", "packaging", "wheel", "ninja", "psutil")
+
+
+def test_flash_attn_build_tools_are_installed_before_its_build():
+    """The image installs, pinned, what the flash-attn source build imports before that build runs (first-contact
+    F5: wheel arrived only afterwards, with openrlhf, and the rest only if the base image or vLLM/DeepSpeed happened
+    to bring them); nothing uninstalls them in between."""
+    runs = [i for i in instructions((REPO / "Dockerfile").read_text()) if i.startswith("RUN")]
+    at = next(k for k, r in enumerate(runs) if "pip wheel" in r and "flash-attn==2.8.3" in r)
+    build = runs[at]
+    assert "--no-build-isolation" in build  # the reason these must be in the image
+    earlier = [*runs[:at], build[: build.index("pip wheel")]]
+    installed = pins(part for r in earlier for part in r.split("&&") if "pip install" in part)
+    missing = [name for name in FLASH_ATTN_BUILD_NEEDS if name not in installed]
+    assert not missing, f"not installed (pinned) before flash-attn's build: {missing}"
+    parts = [p for r in earlier for p in r.split("&&")]
+    for name in FLASH_ATTN_BUILD_NEEDS:
+        last = max(k for k, p in enumerate(parts) if "pip install" in p and name in pins([p]))
+        removed = [p for p in parts[last:] if "pip uninstall" in p and re.search(rf"(?<![\w-]){name}(?![\w-])", p)]
+        assert not removed, f"{name} is uninstalled after its install, before flash-attn's build: {removed}"
+
+
+def test_the_image_installs_the_triton_ci_compiles_the_kernel_with():
+    """CI compiles the fused entropy kernel for sm_80 and sm_90 with the test extra's triton
+    (tests/test_entropy_kernels.py); the image must run that same Triton, installed beside torch in one resolve
+    (so pip refuses the build if torch 2.13.0 pinned another one)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    tested = pins(r.split(";")[0] for r in project["optional-dependencies"]["test"])["triton"]
+    runs = [i for i in instructions((REPO / "Dockerfile").read_text()) if i.startswith("RUN")]
+    install = next(part for r in runs for part in r.split("&&") if '"torch==' in part and "pip install" in part)
+    assert pins([install]).get("triton") == tested, f"Dockerfile's triton vs the test extra's {tested}"
