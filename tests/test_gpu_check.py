@@ -258,7 +258,8 @@ def test_on_a_simulated_lent_machine_every_step_is_runnable_and_a_run_stops_in_o
     """The machine lent for the GPU check, without its GPU: a fresh venv holding only what it holds, the tracked
     files alone, the network unusable (pip has no index, every proxy is a dead port). ``--dry-run`` (which does the
     check's whole set-up and imports every step's modules) shows all seven steps runnable; a real run stops at once
-    in one line, writing nothing; and the Triton kernel compiles for sm_90 with the machine's Triton, 3.6.0."""
+    in one line, writing nothing; and the Triton kernel compiles for sm_80 and sm_90 with the machine's Triton,
+    3.6.0."""
     py = sim_python()
     tree = tmp_path / "tree"
     size = tracked_tree(tree)
@@ -288,8 +289,8 @@ def test_on_a_simulated_lent_machine_every_step_is_runnable_and_a_run_stops_in_o
     (mapping / "stare").mkdir(parents=True)
     for part, folder in load_gpu_check().PACKAGE_DIRS.items():
         (mapping / "stare" / part).symlink_to(tree / folder, target_is_directory=True)
-    from test_entropy_kernels import COMPILE_FOR_HOPPER
+    from test_entropy_kernels import COMPILE_FOR_AMPERE_AND_HOPPER
 
-    compiled = subprocess.run([str(py), "-c", COMPILE_FOR_HOPPER], cwd=tree, capture_output=True, text=True,
+    compiled = subprocess.run([str(py), "-c", COMPILE_FOR_AMPERE_AND_HOPPER], cwd=tree, capture_output=True, text=True,
                               env={**env, "PYTHONPATH": str(mapping), "TRITON_DEFAULT_FP_FUSION": "1"}, timeout=600)
     assert compiled.returncode == 0 and "compiled" in compiled.stdout, compiled.stderr[-3000:]
