@@ -77,6 +77,7 @@ class Step:
     log: Path
     bench: str | None = None
     openrlhf_argv: list[str] | None = None
+    memory: dict | None = None  # a training's memory plan (stare train --dry-run's "memory")
 
     @property
     def name(self) -> str:
@@ -85,6 +86,8 @@ class Step:
     def to_json(self) -> dict:
         d = {"step": self.kind, "arm": self.arm, "seed": self.seed, "out": str(self.run_dir), "state": self.state,
              "command": ["stare", *self.command], "log": str(self.log)}
+        if self.memory is not None:
+            d["memory"] = self.memory
         if self.bench:
             d["bench"], d["out"] = self.bench, str(self.run_dir / f"eval-{self.bench}")
         if self.openrlhf_argv is not None:
@@ -104,6 +107,8 @@ class ClusterPlan:
     ray_address: str | None
     gpus_per_arm: int
     failures: list[str] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)  # the evaluation's memory plan (gpu_memory.eval_phase), when known
+    refusal: str | None = None  # the first training or evaluation the memory plan says cannot fit (memory_check)
 
     def pipelines(self) -> list[list[Step]]:
         """The steps by arm and seed, in order: a training, then its evaluations."""
@@ -117,7 +122,8 @@ class ClusterPlan:
                 "benches": self.evals.benches, "parallel": self.parallel, "ray_address": self.ray_address,
                 "eval_layout": {"engines": self.evals.engines, "tp": self.evals.tp,
                                 "gpus": self.evals.engines * (1 if self.evals.backend == "hf" else self.evals.tp),
-                                "batching": self.evals.batching or "all (or an interrupted evaluation's own)"},
+                                "batching": self.evals.batching or "all (or an interrupted evaluation's own)",
+                                **({"memory": self.memory} if self.memory else {})},
                 "gpus_per_arm": self.gpus_per_arm, "steps": [s.to_json() for s in self.steps],
                 "comparison": str(self.out / "comparison.md"),
                 "kept": sum(s.state == KEPT for s in self.steps), "to_run": sum(s.state != KEPT for s in self.steps)}
@@ -145,10 +151,39 @@ def eval_layout(settings: dict, evals: EvalOptions, ray_address: str | None) -> 
     where one ``stare eval`` spreads its engines over the nodes. The HF backend takes one GPU per engine."""
     from dataclasses import replace
 
-    tp = evals.tp or (1 if evals.backend == "hf" else settings["vllm_tensor_parallel"])
     gpus = settings["gpus_per_node"] * (settings["nodes"] if ray_address else 1)
+    tp = evals.tp or (1 if evals.backend == "hf" else _fitting_tp(settings))
     per_engine = 1 if evals.backend == "hf" else tp
     return replace(evals, tp=tp, engines=evals.engines or max(1, gpus // per_engine))
+
+
+def _fitting_tp(settings: dict) -> int:
+    """The evaluation's tensor parallelism on vLLM: the smallest power of two within a node at which the memory
+    plan says the model and one sequence of its context fit a card (``gpu_memory.eval_tp``); the preset's
+    ``vllm_tensor_parallel`` (what its rollouts held the model at) where the model's shapes are not known."""
+    from .gpu_memory import GIB, eval_tp, load_shapes
+
+    shapes = load_shapes(settings.get("cold_start_checkpoint") or settings["model"])
+    if shapes is None:
+        return settings["vllm_tensor_parallel"]
+    return eval_tp(shapes, int(settings["gpu_memory_gib"] * GIB), 1, settings["gpus_per_node"])
+
+
+def eval_memory(settings: dict, evals: EvalOptions) -> tuple[dict, str | None]:
+    """The evaluation's memory plan per GPU (vLLM only; {} where the model's shapes are not known) and its refusal
+    line when it cannot fit and ``memory_check`` is refuse."""
+    from . import gpu_memory as gm
+    from stare.eval.protocols import resolve_protocol
+
+    shapes = gm.load_shapes(settings.get("cold_start_checkpoint") or settings["model"])
+    if shapes is None or evals.backend == "hf":
+        return {}, None
+    proto = resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
+    phase = gm.eval_phase(shapes, evals.tp, int(settings["gpu_memory_gib"] * gm.GIB), proto.max_tokens,
+                          settings["max_prompt_len"])
+    plan = gm.MemoryPlan(phase.gpu, shapes, settings["model"], [phase])
+    why = gm.refusal({"problems": plan.problems()}, settings["memory_check"])
+    return phase.to_json(), why and f"{why.rstrip(')')}; stare run picks the smallest that fits when --tp is not given)"
 
 
 def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
@@ -235,6 +270,7 @@ def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], ev
                        "--ray-address (without it each arm's stare train starts a Ray head of its own on this node)")
     evals = eval_layout(arm_set.settings, evals, ray_address)
     check_eval_options(evals, ray_address)
+    eval_mem, refusal = eval_memory(arm_set.settings, evals)
     preset = str(Path(preset_arg).absolute()) if Path(preset_arg).is_file() else preset_arg
     base_seed = arm_set.settings["seed"]
     steps: list[Step] = []
@@ -257,7 +293,8 @@ def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], ev
                                                                     else [])
             logs = out / LOGS
             steps.append(Step(TRAIN, arm, i, seed, run_dir, command, state, logs / f"{arm}-seed{i}-train.log",
-                              openrlhf_argv=launch_plan["openrlhf_argv"]))
+                              openrlhf_argv=launch_plan["openrlhf_argv"], memory=launch_plan["memory"]))
+            refusal = refusal or (state != KEPT and openrlhf_train.memory_refusal(launch_plan, resolved["settings"]))
             for bench in evals.benches:
                 e_state = _eval_state(run_dir, bench, evals, seed) if state == KEPT else NEW
                 e_cmd = ["eval", "--bench", bench, "--out", str(run_dir), *evals.flags(ray_address)]
@@ -265,7 +302,7 @@ def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], ev
                 steps.append(Step(EVAL, arm, i, seed, run_dir, e_cmd, e_state, logs / f"{arm}-seed{i}-eval-{bench}.log",
                                   bench=bench))
     return ClusterPlan(arm_set.preset, out, list(arm_set.arms), arm_set.seeds, evals, steps, parallel, ray_address,
-                       gpus_per_arm(arm_set.settings, evals))
+                       gpus_per_arm(arm_set.settings, evals), memory=eval_mem, refusal=refusal or None)
 
 
 def check_cluster(plan: ClusterPlan, resources=None) -> None:

@@ -102,6 +102,10 @@ GPU_SETTINGS: tuple[Setting, ...] = (
             "on, as the pinned OpenRLHF's own colocate + sleep example runs); false captures CUDA graphs: faster "
             "decoding, more GPU memory, and never run by this project under vLLM's sleep mode"),
     Setting("colocate", bool, True, "actor and vLLM share the GPUs (vLLM sleeps while the actor trains)"),
+    Setting("gpu_memory_gib", float, 80.0, "memory of one GPU in GiB, for the memory plan every dry run shows "
+            "(80 for an 80 GB A100/H100, 141 for an H200)", low=1.0),
+    Setting("memory_check", str, "refuse", "a layout the memory plan says cannot fit the GPU: refuse (exit 2 "
+            "before anything starts), warn (one line, then launch) or off", choices=("refuse", "warn", "off")),
     Setting("zero_stage", int, 3, "DeepSpeed ZeRO stage (0-3)", choices=(0, 1, 2, 3)),
     Setting("gradient_checkpointing", bool, True, "recompute activations in the backward pass to save memory"),
     Setting("packing", bool, True, "pack sequences into token-budget micro-batches (needs flash-attn)"),

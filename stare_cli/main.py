@@ -181,7 +181,9 @@ def train(
 
         launch_plan = openrlhf_train.plan(resolved, run_dir, ray_address)
         if dry_run:
-            _dump(launch_plan)
+            _dump(launch_plan)  # the plan, a layout that does not fit included, then its refusal
+        openrlhf_train.check_memory(launch_plan, resolved["settings"])
+        if dry_run:
             return
         openrlhf_train.train(resolved, launch_plan, run_dir, resume=resume, ray_address=ray_address, console=console)
         return
@@ -323,7 +325,10 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
     plan = cr.plan_cluster_run(arm_set, out, preset_arg=preset, sets=sets, evals=evals, ray_address=ray_address,
                                resume=resume, parallel=parallel)
     if dry_run:
-        _dump(plan.to_json())
+        _dump(plan.to_json())  # the plan, a layout that does not fit included, then its refusal
+    if plan.refusal:
+        fail(plan.refusal)
+    if dry_run:
         return
     check_training_stack()
     if ray_address:

@@ -21,9 +21,38 @@ def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
     from ..gpu_schema import SettingsError
 
     try:
-        return orl.plan(resolved, out, ray_address)
+        launch_plan = orl.plan(resolved, out, ray_address)
     except (SettingsError, orl.LaunchError) as exc:
         raise CliError(str(exc)) from None
+    from .. import gpu_memory
+
+    memory = gpu_memory.plan_memory(resolved["settings"], resolved["algo"])
+    launch_plan["memory"] = memory.to_json()
+    launch_plan["notes"] += memory_notes(launch_plan["memory"], resolved["settings"]["memory_check"])
+    return launch_plan
+
+
+def memory_refusal(launch_plan: dict, settings: dict) -> str | None:
+    """The one line refusing this training when its memory plan does not fit and ``memory_check`` is refuse."""
+    from ..gpu_memory import refusal
+
+    return refusal(launch_plan["memory"], settings["memory_check"])
+
+
+def check_memory(launch_plan: dict, settings: dict) -> None:
+    """``CliError`` (one line, exit 2) when the plan's memory does not fit and ``memory_check`` is refuse."""
+    why = memory_refusal(launch_plan, settings)
+    if why:
+        raise CliError(why)
+
+
+def memory_notes(memory: dict, mode: str) -> list[str]:
+    """The plan's warnings, and under ``memory_check=warn`` its problems, as notes (printed before a launch)."""
+    if mode == "off":
+        return []
+    problems = [f"memory: {p} (memory_check={mode}: launching anyway)" for p in memory.get("problems", [])
+                if mode == "warn"]
+    return problems + [f"memory: {w}" for w in memory.get("warnings", [])]
 
 
 def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_address: str | None,
@@ -48,6 +77,9 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         prepare_run_dir(out, resolved, resume)
         console.print(f"[bold]stare train[/] {resolved['preset']} with {resolved['algo']['name']} on OpenRLHF -> "
                       f"{escape(str(out))}")
+        for note in launch_plan["notes"]:
+            if note.startswith("memory:"):  # the memory plan's warnings, before hours of setup
+                errors.plain(console)(f"warning: {note}")
         if resume:
             from .checkpoint import describe_resume
 
