@@ -46,6 +46,11 @@ def main(model: str, out_path: str) -> None:
                          "include_stop_str_in_output": defaults.include_stop_str_in_output}
 
     llm = LLM(model=model, seed=0, max_model_len=MAX_MODEL_LEN, dtype="float32")
+    # --- the engine's own KV cache capacity (blocks of block_size tokens in the bytes it was given), which the GPU
+    # memory plan's per-token KV size must reproduce (tests/test_vllm_cpu.py)
+    cache = llm.llm_engine.vllm_config.cache_config
+    found["kv_cache"] = {"num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+                         "memory_bytes": cache.kv_cache_memory_bytes, "dtype": str(llm.llm_engine.vllm_config.model_config.dtype)}
     tok = llm.get_tokenizer()
     eos = tok.eos_token_id
     found["eos_token_id"] = eos

@@ -173,7 +173,8 @@ def _resumed(model_dir, work, first) -> tuple[Path, list]:
 def _long(tiny_dir, work, name: str, *extra) -> Path:
     """The long-prompt evaluation on the tiny model, uninterrupted."""
     out = work / name
-    run(eval_args(tiny_dir, work, out, *extra, data="long.jsonl"), cwd=work)
+    proc = run(eval_args(tiny_dir, work, out, *extra, data="long.jsonl"), cwd=work)
+    (work / f"{name}.stderr").write_text(proc.stderr)  # the engine's log: its KV cache size among others
     return out
 
 
@@ -458,3 +459,25 @@ def test_probe_context_length(probe):
         assert probe[label]["alone"] is not None and probe[label]["alone"]["type"].endswith("ValidationError")
     assert probe["prompt_over_max_model_len"]["with_a_short_prompt"]["raised"] is not None  # the whole call fails
     assert probe["engine_usable_after_length_error"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU memory plan's KV cache term against the engine's own accounting (vLLM sizes the cache the same way on
+# every device: blocks of block_size tokens, each holding keys and values of every layer)
+
+
+def test_memory_plan_kv_bytes_match_the_engines_own_capacity(probe, model_dir, tiny_dir, work):
+    from stare.cli.gpu_memory import load_shapes
+
+    kv = probe["kv_cache"]  # SmolLM2-135M in float32: 30 layers, 3 KV heads of 64
+    assert kv["dtype"] == "torch.float32"
+    smol = load_shapes(str(model_dir)).kv_bytes_per_token(1, dtype_bytes=4)
+    assert smol == 2 * 30 * 3 * 64 * 4  # by hand, from the model card's shapes
+    assert kv["num_blocks"] == kv["memory_bytes"] // (kv["block_size"] * smol)
+    # the tiny Llama (one layer, two KV heads of 64, float32) in a stare eval's engine with VLLM_CPU_KVCACHE_SPACE=1
+    log = (work / "long-problem.stderr").read_text()
+    found = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    assert found, log[-3000:]
+    tiny = load_shapes(str(tiny_dir)).kv_bytes_per_token(1, dtype_bytes=4)
+    assert tiny == 2 * 1 * 2 * 64 * 4
+    assert int(found.group(1).replace(",", "")) == 2 ** 30 // tiny
