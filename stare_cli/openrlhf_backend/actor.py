@@ -11,6 +11,12 @@
   (``stats.Stash.old_log_probs``); ``save_checkpoint`` also writes the controller's state (``checkpoint``).
 - ``StareActorTrainer`` overrides OpenRLHF's ``ppo_train`` and ``training_step`` only to hand them to
   ``trainer.stare``.
+- ``use_chunked_entropy`` (called by ``install``, so in every policy worker): OpenRLHF's ``Actor.forward(...,
+  return_entropy=True)``, the entropy bonus's forward, computes the entropy with
+  ``stare.algorithms.entropy_bonus.chunked_entropy`` instead of OpenRLHF's ``compute_entropy``: the same value and
+  gradient, with temporaries bounded by a chunk of rows whatever the compiler does (OpenRLHF's ``torch.compile``d
+  function made one ``[tokens, V]`` float32 temporary in its forward on the CPU), no compilation, and float32's
+  accuracy at any logit offset (docs/openrlhf-backend.md, the entropy bonus under "What the plugin does").
 """
 from __future__ import annotations
 
@@ -21,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from stare.algorithms import AlgoConfig
+from stare.algorithms.entropy_bonus import chunked_entropy
 
 from .argv import SETTINGS_ENV
 from .checkpoint import load_stare_state, resume_position, save_stare_state
-from .compat import ActorPPOTrainer, merge_mm_train_inputs, ppo_actor
+from .compat import ActorPPOTrainer, merge_mm_train_inputs, models_actor, ppo_actor
 from .loss import StarePolicyLoss
 from .step import StareStep
 
@@ -53,9 +60,21 @@ class StareActorTrainer(ActorPPOTrainer):
         return self.stare.training_step(super().training_step, experience, kl_ctl, step, loss_batch_info)
 
 
+def use_chunked_entropy() -> None:
+    """Point OpenRLHF's ``Actor.forward`` at ``chunked_entropy`` for the entropy it computes with
+    ``return_entropy=True`` (every training micro-batch when ``--actor.entropy_coef`` is set).
+
+    ``openrlhf.models.actor`` imported ``compute_entropy`` by name, and ``Actor.forward`` looks that name up in its
+    module at each call, so rebinding the module's name is the whole swap (this process only; idempotent).
+    ``openrlhf.models.utils.compute_entropy`` itself stays OpenRLHF's."""
+    models_actor.compute_entropy = chunked_entropy
+
+
 def install(actor_host, environ=None) -> StareActorTrainer:
-    """Turn an OpenRLHF policy actor's trainer and loss into STARE's (after ``init_model_from_pretrained``)."""
+    """Turn an OpenRLHF policy actor's trainer and loss into STARE's (after ``init_model_from_pretrained``), and
+    its entropy bonus's entropy into the chunked one (``use_chunked_entropy``)."""
     cfg, _ = load_settings(environ)
+    use_chunked_entropy()
     trainer = actor_host.trainer
     trainer.__class__ = StareActorTrainer
     trainer.actor_loss_fn = StarePolicyLoss.from_parsed(trainer.actor_loss_fn, unclipped=cfg.rule.unclipped)

@@ -34,6 +34,9 @@ _NAMES = {
     "ppo_actor": ("openrlhf.trainer.ray.ppo_actor", None),
     "ActorPPOTrainer": ("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer"),
     "merge_mm_train_inputs": ("openrlhf.trainer.ray.ppo_actor", "merge_mm_train_inputs"),
+    # actor.py: the module of OpenRLHF's ``Actor``, whose forward calls ``compute_entropy`` by this module's global
+    # name (the entropy bonus); ``use_chunked_entropy`` points that name at stare's chunked version
+    "models_actor": ("openrlhf.models.actor", None),
     # agent/python_agent.py: the multi-turn agent's base classes
     "AgentInstanceBase": ("openrlhf.utils.agent", "AgentInstanceBase"),
     "MultiTurnAgentExecutor": ("openrlhf.utils.agent", "MultiTurnAgentExecutor"),
