@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import runpy
-import socket
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
 from stare.algorithms.token_rules import MODULES_ENV as TOKEN_RULE_MODULES_ENV
+from stare.eval.ray_attach import LOCAL_HEAD_CONFIG
 from .argv import DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SEED_ENV, SEED_HOOK, SETTINGS_ENV, build_launch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -36,16 +36,18 @@ class LaunchError(RuntimeError):
 
 
 def check_ray_address(address: str, timeout: float = 3.0) -> None:
-    """Fail early and clearly when a given Ray address cannot be reached (``auto`` is left to Ray)."""
-    if address == "auto":
-        return
-    host, port = check_address_syntax(address)
+    """Fail early, in one line and within a bound, when this process cannot attach to the Ray cluster at
+    ``address``: its port does not open, or a probe that attaches as ``launch`` will (in a child process,
+    ``stare.eval.ray_attach.check_attach``) fails or runs out of time, e.g. a driver in another container than the
+    node whose raylet socket it needs."""
+    from stare.eval.ray_attach import RayAttachError, check_attach, check_reachable
+
+    check_address_syntax(address)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise LaunchError(f"cannot reach the Ray cluster at {address!r} ({exc.strerror or exc}); start it with "
-                          "`ray start --head` on the head node, or omit --ray-address to start one here") from None
+        check_reachable(address, timeout=timeout)
+        check_attach(address)
+    except RayAttachError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def check_address_syntax(address: str) -> tuple[str, int] | None:
@@ -142,10 +144,13 @@ def ray_init_kwargs(ray_address: str | None, dashboard: bool, environ=None) -> d
 
     Joining a cluster (``ray_address``, or ``RAY_ADDRESS``, which Ray reads itself) passes no
     ``include_dashboard``: Ray ignores it for HOST:PORT, and for ray://HOST:PORT forwards it to a ``ray.init``
-    on the cluster; the cluster's head already decided (``ray start --head --include-dashboard``)."""
+    on the cluster; the cluster's head already decided (``ray start --head --include-dashboard``). A head started
+    here gets ``LOCAL_HEAD_CONFIG`` (``stare.eval.ray_attach``): its raylet does not hold ``ray.init`` until the
+    workers it prestarts register, which on a loaded machine can be never."""
     kwargs = {"address": ray_address or None, "runtime_env": runtime_env(environ)}
     if not (ray_address or os.environ.get("RAY_ADDRESS")):
         kwargs["include_dashboard"] = bool(dashboard)  # None would start it whenever ray[default] is installed
+        kwargs["_system_config"] = LOCAL_HEAD_CONFIG  # ray.init does not wait for workers (check_first_worker does)
     return kwargs
 
 
@@ -156,7 +161,9 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
     A Ray head started here has no dashboard unless ``dashboard`` (the ``ray_dashboard`` setting; None: read
     ``STARE_RAY_DASHBOARD`` from the environment, as the printed command sets it): on a small machine starting
     it can stall Ray's start and log "Failed to start the dashboard" (docs/openrlhf-backend.md).
-    The address is not probed here: ``stare train`` and ``main`` check it before anything starts."""
+    The address is not probed here: ``stare train`` and ``main`` check it before anything starts
+    (``check_ray_address``). Right after ``ray.init`` one empty task must run within the bound
+    (``check_first_worker``): a Ray whose workers never register ends in one line, not a wait without end."""
     from . import plugin  # checks the OpenRLHF version on import
     from .compat import TRAIN_MODULE
 
@@ -171,6 +178,7 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
         from ..stopping import reclaim
 
         reclaim()  # ray.init's SIGTERM handler exits 15 without a word: a stare command's stop is ours
+        check_first_worker(ray, ray_address or os.environ.get("RAY_ADDRESS"))
     plugin.register()
     saved = sys.argv
     sys.argv = [TRAIN_MODULE, *argv]
@@ -181,6 +189,20 @@ def launch(argv: list[str], *, ray_address: str | None = None, dashboard: bool |
         raise
     finally:
         sys.argv = saved
+
+
+def check_first_worker(ray, address: str | None) -> None:
+    """One empty task within the bound (``stare.eval.ray_attach.check_workers``): a Ray whose workers never
+    register is one ``LaunchError`` line, not a run that waits for ever; this process then leaves that Ray (a head
+    it started ends)."""
+    from stare.eval.ray_attach import RayAttachError, check_workers, session_logs
+
+    where = f"the Ray cluster at {address}" if address else "the Ray head started here"
+    try:
+        check_workers(ray, where, logs=session_logs(ray))
+    except RayAttachError as exc:
+        ray.shutdown()
+        raise LaunchError(str(exc)) from None
 
 
 def main() -> None:
