@@ -89,21 +89,43 @@ def one_line(exc: BaseException) -> str:
 def start_ray(address: str | None, engines: int):
     """Connect to the cluster at ``address``, or start a small local one sized for ``engines`` engines (CPU slots:
     at least one per engine); no dashboard, actors' logs not copied to this terminal. Returns the ray module and
-    whether this process started the cluster (then it shuts it down)."""
+    whether this process started the cluster (then it shuts it down).
+
+    Within a bound (``stare.eval.ray_attach``), or ``EngineError`` (one line): a cluster is first attached to by a
+    probe in a child process (an unreachable port, or a driver that cannot see its node's raylet socket, would
+    otherwise wait or die with a native stack trace), and one empty task must run right after ``ray.init`` (a Ray
+    whose workers never register would otherwise leave the engines pending for good)."""
     import warnings
 
     import ray
 
+    from .ray_attach import (LOCAL_HEAD_CONFIG, RayAttachError, check_attach, check_reachable, check_workers,
+                             session_logs)
+
     if ray.is_initialized():
         return ray, False
+    if address is not None:
+        try:
+            check_reachable(address)
+            check_attach(address)
+        except RayAttachError as exc:
+            raise EngineError(str(exc)) from None
     # Ray 2.55 warns that a later Ray will stop hiding GPUs from actors that ask for none; engines ask for GPUs
     # wherever the cluster has any, so either way is the same here
     warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
                   configure_logging=True)
+    where = f"the Ray cluster at {address}"
     if address is None:  # "local": a new Ray, never one another job started on this machine
         address, kwargs["num_cpus"] = "local", max(os.cpu_count() or 1, engines)
+        kwargs["_system_config"] = LOCAL_HEAD_CONFIG
+        where = "the Ray started here for the engines"
     ray.init(address=address, **kwargs)
+    try:
+        check_workers(ray, where, logs=session_logs(ray))
+    except RayAttachError as exc:
+        ray.shutdown()
+        raise EngineError(str(exc)) from None
     return ray, True
 
 
