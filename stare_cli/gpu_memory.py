@@ -17,8 +17,8 @@ memory plan"; in short:
   computed and the one prefetched); the activation checkpoints (one bf16 hidden state per layer and token) and
   one layer's activations with their gradients (recomputed in the backward); the logits (OpenRLHF casts them to
   float32: the float32 copy kept for the backward, its gradient, the bf16 gradient: 10 bytes per token and
-  vocabulary entry); the entropy bonus's gradient (4 more bytes per entry, plus one chunk's buffers; stare
-  computes OpenRLHF's entropy term chunk by chunk); a reference model's bf16 shard when ``kl_coef`` > 0 and
+  vocabulary entry); the entropy bonus (6 more bytes per entry: its own gradient of the logits and the sum autograd
+  makes of the two, plus at most two chunks' buffers: stare computes OpenRLHF's entropy term chunk by chunk); a reference model's bf16 shard when ``kl_coef`` > 0 and
   colocated; what sleeping vLLM keeps (its CUDA context and, without ``vllm_enforce_eager``, its CUDA graphs);
   a CUDA context per process.
 - rollout, per GPU of a vLLM engine: vLLM takes ``vllm_gpu_memory_utilization`` of the card (its weights at
@@ -51,7 +51,8 @@ VLLM_MAX_BATCHED_TOKENS = 16384
 VLLM_MAX_SEQS = 1024
 EVAL_UTILIZATION = 0.92    # vLLM 0.29.0's default gpu_memory_utilization (stare eval passes none)
 LOGIT_BYTES = 10           # per token x vocabulary entry: float32 logits kept (4) + their gradient (4) + bf16 grad (2)
-ENTROPY_BYTES = 4          # the entropy bonus's gradient of the logits, until autograd adds it to the log-probs'
+ENTROPY_BYTES = 6          # the bonus's float32 gradient of the logits and the new tensor autograd sums the two
+#                            gradients into (4 + 4), less the bf16 copy the logits term counts, made after (2)
 ENTROPY_CHUNK_ROWS = 1024  # rows of one chunk of the chunked entropy (stare.algorithms.entropy_bonus.DEFAULT_CHUNK_ROWS)
 ENTROPY_CHUNK_COPIES = 2   # float32 chunk-sized buffers alive at once in its forward (its backward: one)
 ZERO3_GATHER_COPIES = 2    # ZeRO-3: the module being computed and the one prefetched
