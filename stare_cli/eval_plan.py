@@ -342,9 +342,12 @@ def auto_layout(plan: EvalPlan, console) -> tuple[int, int]:
 
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     if plan.ray_address is not None:
-        from stare.eval.engines import start_ray
+        from stare.eval.engines import EngineError, start_ray
 
-        ray, own = start_ray(plan.ray_address, 1)
+        try:
+            ray, own = start_ray(plan.ray_address, 1)
+        except EngineError as exc:  # the cluster cannot be attached: its one line, as --engines N gives it
+            raise CliError(str(exc), code=1) from None
         try:
             gpus = int(ray.cluster_resources().get("GPU", 0))
         finally:
@@ -358,7 +361,11 @@ def auto_layout(plan: EvalPlan, console) -> tuple[int, int]:
     per_engine = 1
     tp = plan.tp
     if plan.backend == "vllm":
-        tp = needed_tp(weight_bytes(plan.model), gpu_bytes, plan.tp, gpus)
+        from .gpu_memory import eval_tp, load_shapes
+
+        shapes = load_shapes(plan.model)  # the memory plan: weights and one sequence of the model's context
+        tp = (eval_tp(shapes, gpu_bytes, plan.tp, gpus) if shapes is not None and gpu_bytes
+              else needed_tp(weight_bytes(plan.model), gpu_bytes, plan.tp, gpus))
         per_engine = tp
     engines = max(1, gpus // per_engine)
     where = f"the Ray cluster at {plan.ray_address}" if plan.ray_address else "this machine"

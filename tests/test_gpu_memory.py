@@ -338,3 +338,25 @@ def test_stare_run_evaluates_the_32b_model_at_tp_2_and_refuses_tp_1(tmp_path):
     res = invoke("run", "--preset", "qwen-32b-short-cot", "--dry-run", "--tp", "1", "--out", str(tmp_path / "r"))
     assert res.exit_code == 2
     assert "eval: vLLM's KV cache has" in res.stderr and "--tp" in res.stderr
+
+
+def test_stare_eval_engines_auto_sizes_tp_from_the_model_config(tmp_path, monkeypatch):
+    """``stare eval --engines auto`` on a folder with a config.json: tp from the memory plan (weights and one
+    sequence of the model's context within vLLM's share), here 2 for the 32B model on 80 GiB cards, 1 on 141 GiB."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stare.cli.eval_plan import auto_layout
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    cfg = gm.shipped_shapes()["Qwen/Qwen2.5-32B"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    console = SimpleNamespace(print=lambda text, **kw: None)
+    plan = SimpleNamespace(ray_address=None, tp=1, backend="vllm", model=str(folder))
+    for card_gib, want in ((80, (4, 2)), (141, (8, 1))):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=card_gib << 30))
+        assert auto_layout(plan, console) == want
