@@ -413,10 +413,13 @@ def plan_json(*args):
 
 
 @pytest.mark.parametrize("preset, extra, engines, tp", [
-    ("qwen-7b-short-cot", [], 8, 1),  # one 8-GPU node at the preset's vllm_tensor_parallel 1
-    ("qwen-14b-short-cot", [], 4, 2),
-    ("qwen-32b-short-cot", [], 2, 4),  # this node: 8 GPUs at tp 4, which holds the 32B model (about 61 GiB)
-    ("qwen-32b-short-cot", ["--ray-address", "10.0.0.1:6379"], 8, 4),  # its four nodes
+    ("qwen-7b-short-cot", [], 8, 1),  # one 8-GPU node, one engine a GPU
+    ("qwen-14b-short-cot", [], 8, 1),  # 27.5 GiB of weights and a 32k context fit one 80 GiB card (rollouts: tp 2)
+    # the 32B model (61 GiB) needs tp 2 on 80 GiB cards for one sequence of its 131072-token context (32 GiB of KV at
+    # tp 1): four engines a node (its rollouts run at tp 4)
+    ("qwen-32b-short-cot", [], 4, 2),
+    ("qwen-32b-short-cot", ["--ray-address", "10.0.0.1:6379"], 16, 2),  # its four nodes
+    ("qwen-32b-short-cot", ["--set", "gpu_memory_gib=141"], 8, 1),  # H200s hold it whole
     ("qwen-7b-short-cot", ["--engines", "3", "--tp", "2"], 3, 2),  # given: kept
     ("qwen-7b-short-cot", ["--backend", "hf"], 8, 1),
 ])
@@ -432,8 +435,8 @@ def test_stare_run_evaluates_on_every_gpu_of_the_preset(tmp_path, preset, extra,
     text = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / f"{preset}.yaml").read_text())
     s = text["settings"]
     gpus = s["gpus_per_node"] * (s["nodes"] if "--ray-address" in extra else 1)
-    if not extra or extra[0] == "--ray-address":  # the default: every GPU of the node(s), at the rollouts' tp
-        assert tp == s["vllm_tensor_parallel"] and engines * tp == gpus
+    if not extra or extra[0] in ("--ray-address", "--set"):  # the default: every GPU of the node(s)
+        assert engines * tp == gpus and tp <= s["vllm_tensor_parallel"]
 
 
 def test_stare_run_dry_run_needs_no_ray(tmp_path, monkeypatch):

@@ -52,9 +52,9 @@ def parse_with_openrlhf(argv: list[str], monkeypatch) -> object:
     return captured["args"]
 
 
-def test_there_are_the_seven_gpu_presets():
+def test_there_are_the_eight_gpu_presets():
     assert set(GPU_PRESETS) == {"qwen-7b-short-cot", "qwen-14b-short-cot", "qwen-32b-short-cot", "qwen-1.5b-long-cot",
-                                "qwen3-8b-long-cot", "qwen-7b-long-cot", "qwen-7b-tool-use"}
+                                "qwen3-8b-long-cot", "qwen-7b-long-cot", "qwen-7b-tool-use", "qwen-1.5b-1gpu"}
 
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)
@@ -173,6 +173,7 @@ def test_launch_registers_the_stare_actor_and_passes_settings_to_the_workers(mon
 
     monkeypatch.setattr(ray, "is_initialized", lambda: "runtime_env" in seen)
     monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(orl, "check_first_worker", lambda ray, address: None)  # no Ray here to run a task on
     monkeypatch.setattr(ppo_actor, "PolicyModelActor", ppo_actor.PolicyModelActor)  # restored afterwards
     import openrlhf.utils
 
