@@ -145,8 +145,8 @@ def gpus_per_arm(settings: dict, evals: EvalOptions) -> int:
 
 
 def eval_layout(settings: dict, evals: EvalOptions, ray_address: str | None) -> EvalOptions:
-    """``evals`` with its engines and tensor parallelism filled in where not given: tp the preset's
-    ``vllm_tensor_parallel`` (what its rollouts ran the model at, so it holds it), engines as many as the GPUs hold
+    """``evals`` with its engines and tensor parallelism filled in where not given: tp the smallest at which the
+    memory plan fits the model and its context on a card (``_fitting_tp``), engines as many as the GPUs hold
     at that tp: the preset's node (``gpus_per_node``), or every node (``x nodes``) on the ``--ray-address`` cluster,
     where one ``stare eval`` spreads its engines over the nodes. The HF backend takes one GPU per engine."""
     from dataclasses import replace

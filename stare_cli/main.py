@@ -242,7 +242,8 @@ def run(
                                           "eval (default: as many as the GPUs hold at --tp: the preset's node, or "
                                           "all its nodes with --ray-address)."),
     tp: Optional[int] = typer.Option(None, "--tp", min=1, help="GPU presets, evaluation: tensor parallel size per "
-                                     "engine (default: the preset's vllm_tensor_parallel, which holds its model)."),
+                                     "engine (default: the smallest at which the memory plan fits the model and one sequence of its "
+                                     "context on a card; the dry run shows it)."),
     batching: Optional[str] = typer.Option(None, "--batching", help="GPU presets, evaluation: stare eval's --batching "
                                            "(all, invariant, problem; default all, or an interrupted evaluation's "
                                            "own)."),
