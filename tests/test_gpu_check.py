@@ -3,6 +3,7 @@
 No GPU here: the switch is exercised with torch's ``meta`` device, which needs none; the real run is
 ``bash scripts/gpu-check.sh`` on a GPU machine.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -63,10 +64,10 @@ def test_dry_run_prints_the_plan_in_order_checks_imports_and_writes_nothing(tmp_
     text = res.stdout
     steps = [line.split(" ")[1] for line in text.splitlines() if line.startswith("- ")]
     # the three figures that matter first, then the other benchmarks
-    assert steps == ["bench-entropy-triton", "algorithm-tests-cuda", "stare-run-tiny-cpu", "bench-entropy",
-                     "bench-weighted-loss", "bench-selection", "bench-eval-hf"]
+    assert steps == ["bench-entropy-triton", "algorithm-tests-cuda", "gpu-memory-plan", "stare-run-tiny-cpu",
+                     "bench-entropy", "bench-weighted-loss", "bench-selection", "bench-eval-hf"]
     commands = [line.strip() for line in text.splitlines() if line.startswith("    ") and "python" in line]
-    triton, tests_line, run_line, entropy = commands[:4]
+    triton, tests_line, memory_line, run_line, entropy = commands[:5]
     for flag in ("--device cuda", "--n 8192", "--vocab 151936", "--dtype bf16", "--kernel both"):
         assert flag in triton, flag
     for flag in ("--device cuda", "--n 32768", "--vocab 151936", "--dtype bf16"):
@@ -78,7 +79,8 @@ def test_dry_run_prints_the_plan_in_order_checks_imports_and_writes_nothing(tmp_
     assert "-m cuda --device cuda" in tests_line
     assert all(f"tests/{name}" in tests_line for name in ALGORITHM_TESTS)
     assert "stare.cli.main run --preset tiny-cpu" in run_line and "--set device=cuda" in run_line
-    assert text.count("    runnable") == 7 and "7 of 7 steps runnable" in text  # their imports were tried here
+    assert memory_line.endswith("scripts/gpu_check.py --item gpu-memory-plan")  # this script's own item
+    assert text.count("    runnable") == 8 and "8 of 8 steps runnable" in text  # their imports were tried here
     assert str(out / "gpu-check.json") in text
     assert not out.exists()  # nothing ran, nothing was written
 
@@ -203,6 +205,112 @@ def test_result_parsing_reads_the_benchmarks_last_line_and_junit(tmp_path):
                                           "failed": ["tests.test_loss::test_a"]}
 
 
+# ---- the item gpu-memory-plan: its parts that need no GPU ---------------------------------------------------------
+def test_the_memory_item_compares_the_presets_plan_written_out_by_hand():
+    """The item measures the qwen-1.5b-1gpu preset's model at its packing budget, and the numbers it compares
+    against are the plan's own for one rank at ZeRO-0, equal to the arithmetic from the model's card: P 1.54B,
+    T 16,384, V 151,936, L 28, h 1536, q 1536, kv 256, I 8960."""
+    from stare.cli.presets import resolve
+
+    gc = load_gpu_check()
+    settings = resolve("qwen-1.5b-1gpu", "grpo")["settings"]
+    assert (gc.MEMORY_MODEL, gc.MEMORY_TOKENS) == (settings["model"], settings["max_tokens_per_gpu"])
+    cfg = gc.memory_config()
+    P, T, V, L, h, q, kv, I = 1_543_714_304, 16384, 151936, 28, 1536, 1536, 256, 8960  # noqa: E741
+    hand = {"weights (bf16)": 2 * P, "gradients (bf16)": 2 * P, "optimizer (fp32 weights, Adam m and v)": 12 * P,
+            "activation checkpoints": T * L * h * 2,
+            "one layer's activations with gradients": T * (4 * h + 2 * q + 2 * kv + 4 * I) * 2 * 2,
+            "logits (fp32, with gradients)": T * V * (4 + 4 + 2), "CUDA context": 2 ** 30}
+    assert gc.planned_terms(cfg, T, bonus=False) == hand
+    bonus = gc.planned_terms(cfg, T, bonus=True)
+    assert bonus == {**hand, "entropy bonus": T * V * 6 + 2 * 1024 * V * 4}
+    compared = sum(v for k, v in bonus.items() if k in gc.COMPARED)
+    assert compared == sum(bonus.values()) - 12 * P - 2 ** 30  # all but the optimizer and the context
+    assert round(compared / 2 ** 30, 2) == 48.1 and gc.MEMORY_BOUNDS == (0.6, 1.0)
+
+
+def test_the_memory_item_skips_without_cuda_in_one_line(monkeypatch, capsys):
+    gc = load_gpu_check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    t0 = time.monotonic()
+    assert gc.main(["--item", "gpu-memory-plan"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"gpu-memory-plan: skipped: no CUDA (torch {torch.__version__} sees no CUDA device)"
+    assert gc.parse_result(out) == {"status": "skipped", "reason": f"no CUDA (torch {torch.__version__} sees no "
+                                                                   "CUDA device)"}
+    assert time.monotonic() - t0 < 5
+    assert gc.main(["--item", "gpu-memory-plan", "--tokens", "1"]) == 2
+
+
+def test_a_skipped_item_and_an_items_summary_reach_the_report(tmp_path, monkeypatch, capsys):
+    gc = load_gpu_check()
+    say = 'print("RESULT " + __import__("json").dumps({})); raise SystemExit({})'
+    steps = {"a": gc.Step([sys.executable, "-c", say.format({"status": "skipped", "reason": "no CUDA"}, 0)], 30, (),
+                          "a"),
+             "b": gc.Step([sys.executable, "-c", say.format({"summary": "peak 1 GiB, planned 2 GiB"}, 1)], 30, (),
+                          "b")}
+    args = gc.argparse.Namespace(budget=60)
+    assert gc.run(steps, ["a", "b"], args, tmp_path / "out", os.environ.copy(), [], tmp_path, {}) == 1
+    report = json.loads((tmp_path / "out" / "gpu-check.json").read_text())["steps"]
+    assert (report["a"]["status"], report["a"]["reason"]) == ("skipped", "no CUDA")
+    assert (report["b"]["status"], report["b"]["summary"]) == ("failed", "peak 1 GiB, planned 2 GiB")
+    assert "gpu-check: b: peak 1 GiB, planned 2 GiB" in capsys.readouterr().out
+
+
+TINY_QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 300, "tie_word_embeddings": True,
+              "max_position_embeddings": 64}
+
+
+def test_the_memory_items_micro_batch_has_the_gradients_of_openrlhfs_loss_on_cpu():
+    """The micro-batch the item measures, on a tiny Qwen2 on CPU: the fused log-prob (flash-attn's memory contract)
+    and the chunked entropy bonus give the gradients of -mean log_softmax(next token) - 0.01 mean entropy."""
+    gc = load_gpu_check()
+    torch.manual_seed(0)
+    model = gc.build_model(TINY_QWEN2, "cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.is_gradient_checkpointing
+    assert model.training and model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 300, (1, 40))
+    for bonus in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss, output = gc.micro_batch(model, ids, bonus)
+        assert output["logits"].dtype == torch.float32
+        got = [p.grad.float().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        logp = torch.log_softmax(model(ids).logits.float(), -1)
+        want = -logp.gather(-1, torch.roll(ids, -1, 1)[..., None]).mean()
+        if bonus:
+            want = want - 0.01 * -(logp.exp() * logp).sum(-1).mean()
+        want.backward()
+        assert float(loss) == pytest.approx(want.item(), rel=1e-5)
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad.float(), rtol=0.02, atol=1e-3 * float(p.grad.float().abs().max()))
+
+
+def test_the_memory_item_walks_through_on_cpu_with_stubbed_counters(monkeypatch):
+    """The whole item on a tiny Qwen2 on CPU, torch.cuda's memory counters stubbed: its results name every term and
+    its ratio is the peak over the plan's compared terms."""
+    gc = load_gpu_check()
+    peaks = []
+    for name, value in (("is_available", True), ("get_device_name", "stub"), ("synchronize", None),
+                        ("reset_peak_memory_stats", None), ("memory_allocated", 0), ("max_memory_reserved", 0),
+                        ("memory_reserved", 0), ("mem_get_info", (0, 2 ** 30))):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peaks.pop(0))
+    tokens = 32
+    plain, bonus = (sum(v for k, v in gc.planned_terms(TINY_QWEN2, tokens, b).items() if k in gc.COMPARED)
+                    for b in (False, True))
+    peaks += [int(0.9 * plain), int(0.5 * bonus)]
+    result, rc = gc.memory_item(tokens, None, cfg=TINY_QWEN2, device="cpu")
+    assert [r["ratio"] for r in result["runs"].values()] == [0.9, 0.5] and result["parameters"] > 0
+    assert not result["passed"] and rc == 1 and result["summary"].endswith("(bounds 0.6-1.0: OUTSIDE)")
+    assert [t["term"] for t in result["terms"]] == [
+        "weights (bf16)", "gradients (bf16)", "micro-batch (log-probs): peak less weights and gradients",
+        "after the forward: checkpoints + float32 logits",
+        "micro-batch (log-probs + entropy bonus): peak less weights and gradients", "entropy bonus", "CUDA context"]
+    assert json.loads(json.dumps(result)) == result  # what the RESULT line carries
+
+
 # ---- the lent machine, simulated ---------------------------------------------------------------------------------
 # What the machine holds, as last read (Python 3.12, torch 2.11.0 with CUDA 13.0 there), as close as CPU wheels
 # allow here: Python 3.11 (this machine's), the local CPU torch 2.13.0 (torch 2.11's CPU build is not reachable
@@ -257,7 +365,7 @@ def tracked_tree(dest: Path) -> int:
 def test_on_a_simulated_lent_machine_every_step_is_runnable_and_a_run_stops_in_one_line(tmp_path):
     """The machine lent for the GPU check, without its GPU: a fresh venv holding only what it holds, the tracked
     files alone, the network unusable (pip has no index, every proxy is a dead port). ``--dry-run`` (which does the
-    check's whole set-up and imports every step's modules) shows all seven steps runnable; a real run stops at once
+    check's whole set-up and imports every step's modules) shows all eight steps runnable; a real run stops at once
     in one line, writing nothing; and the Triton kernel compiles for sm_80 and sm_90 with the machine's Triton,
     3.6.0."""
     py = sim_python()
@@ -275,8 +383,8 @@ def test_on_a_simulated_lent_machine_every_step_is_runnable_and_a_run_stops_in_o
     dry = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(out), "--budget", "500"],
                          cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    assert "7 of 7 steps runnable" in dry.stdout and "NOT runnable" not in dry.stdout, dry.stdout
-    assert dry.stdout.count("    runnable") == 7 and f"{py} benchmarks/bench_entropy.py" in dry.stdout
+    assert "8 of 8 steps runnable" in dry.stdout and "NOT runnable" not in dry.stdout, dry.stdout
+    assert dry.stdout.count("    runnable") == 8 and f"{py} benchmarks/bench_entropy.py" in dry.stdout
 
     t0 = time.monotonic()
     real = subprocess.run(["bash", "scripts/gpu-check.sh", "--out", str(out), "--budget", "500"], cwd=tree, env=env,
