@@ -186,6 +186,21 @@ def eval_memory(settings: dict, evals: EvalOptions) -> tuple[dict, str | None]:
     return phase.to_json(), why and f"{why.rstrip(')')}; stare run picks the smallest that fits when --tp is not given)"
 
 
+def check_eval_length(settings: dict, evals: EvalOptions) -> None:
+    """The evaluation lets a response run as long as the training did: a protocol (or ``--max-tokens``) that stops
+    responses before ``max_response_len`` would cut the long answers the models learnt to give and score them wrong
+    (``CliError`` naming both numbers and the ways out)."""
+    from stare.eval.protocols import resolve_protocol
+
+    proto = resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
+    if proto.max_tokens < settings["max_response_len"]:
+        source = "--max-tokens" if evals.max_tokens is not None else f"protocol {proto.name!r} (eval_protocol)"
+        raise CliError(f"the evaluation stops responses at {proto.max_tokens} tokens ({source}), and the arms train "
+                       f"with responses of up to {settings['max_response_len']} (max_response_len): longer answers "
+                       "would be cut off and scored wrong; use --set eval_protocol=dapo (20480) or r1 (32768), or "
+                       f"--max-tokens {settings['max_response_len']} or more")
+
+
 def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
     """What ``stare eval`` would refuse for these options on any model (``CliError``): each benchmark and its
     problems, the backend, the engines, the protocol with its overrides."""
@@ -270,6 +285,7 @@ def plan_cluster_run(arm_set, out: Path, *, preset_arg: str, sets: list[str], ev
                        "--ray-address (without it each arm's stare train starts a Ray head of its own on this node)")
     evals = eval_layout(arm_set.settings, evals, ray_address)
     check_eval_options(evals, ray_address)
+    check_eval_length(arm_set.settings, evals)
     eval_mem, refusal = eval_memory(arm_set.settings, evals)
     preset = str(Path(preset_arg).absolute()) if Path(preset_arg).is_file() else preset_arg
     base_seed = arm_set.settings["seed"]

@@ -73,6 +73,8 @@ def test_every_shipped_gpu_preset_has_shapes_offline():
 # budget), vocabulary V, layers L, hidden h, q width (heads x head dim), KV width (KV heads x head dim),
 # intermediate I, rollout tensor parallelism, prompt + response
 HAND = {
+    "qwen-1.5b-1gpu": dict(P=1_543_714_304, N=1, T=16384, V=151936, L=28, h=1536, q=1536, kv=256, I=8960, tp=1,
+                           seq=1024 + 3072),
     "qwen-1.5b-long-cot": dict(P=1_777_088_000, N=8, T=32768, V=151936, L=28, h=1536, q=1536, kv=256, I=8960, tp=1,
                                seq=1024 + 16384),
     "qwen-7b-short-cot": dict(P=7_615_616_512, N=8, T=16384, V=152064, L=28, h=3584, q=3584, kv=512, I=18944, tp=1,
