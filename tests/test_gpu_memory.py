@@ -362,3 +362,21 @@ def test_stare_eval_engines_auto_sizes_tp_from_the_model_config(tmp_path, monkey
     for card_gib, want in ((80, (4, 2)), (141, (8, 1))):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=card_gib << 30))
         assert auto_layout(plan, console) == want
+
+
+def test_stare_run_refuses_an_evaluation_shorter_than_the_training(tmp_path):
+    """Issue 58's first item: an evaluation whose responses stop before the training's would score every longer
+    answer wrong. The long chain-of-thought presets evaluate with DAPO's 20480-token protocol; the paper's 3k one, or
+    a --max-tokens below max_response_len, is refused in one line naming both numbers."""
+    for preset, trained in (("qwen-7b-long-cot", 20480), ("qwen-1.5b-long-cot", 16384), ("qwen3-8b-long-cot", 16384)):
+        res = invoke("run", "--preset", preset, "--dry-run", "--out", str(tmp_path / preset))
+        assert res.exit_code == 0, res.stderr
+        evals = [s for s in json.loads(res.stdout)["steps"] if s["step"] == "eval"]
+        assert evals and all(s["command"][s["command"].index("--protocol") + 1] == "dapo" for s in evals)
+        res = invoke("run", "--preset", preset, "--dry-run", "--set", "eval_protocol=stare", "--out", str(tmp_path))
+        assert res.exit_code == 2 and res.stdout == ""
+        assert f"stops responses at 3072 tokens" in res.stderr and f"up to {trained} (max_response_len)" in res.stderr
+    res = invoke("run", "--preset", "qwen-7b-short-cot", "--dry-run", "--max-tokens", "3071", "--out", str(tmp_path))
+    assert res.exit_code == 2 and "(--max-tokens)" in res.stderr
+    assert invoke("run", "--preset", "qwen-7b-short-cot", "--dry-run", "--max-tokens", "3072",
+                  "--out", str(tmp_path / "ok")).exit_code == 0
