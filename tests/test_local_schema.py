@@ -48,7 +48,22 @@ def test_the_schema_names_what_the_engine_accepts():
         else:
             assert device.engine_device({"device": name}).type in ("cpu", "cuda")
     assert all(tasks.get_task(name).name == name for name in SCHEMA["task"].choices)  # each choice builds its task
-    assert settings_doc.LOCAL_RUN_SETTING_HELP == {s.name: s.help for s in LOCAL_SETTINGS}
+    # what `stare algos --settings` shows for the local scope: every local setting, with its own meaning
+    from typer.testing import CliRunner
+
+    from stare.cli.main import app
+
+    out = CliRunner().invoke(app, ["algos", "--settings"], terminal_width=400).stdout
+    local = out[out.index("run settings of the local presets"):out.index("run settings of the GPU presets")]
+    rows = {}
+    for line in local.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[1]:
+            rows[cells[1]] = cells[3]  # a setting's row: name, default, the first line of its meaning
+    assert sorted(rows) == sorted(s.name for s in LOCAL_SETTINGS)
+    for s in LOCAL_SETTINGS:  # the shown line and the setting's meaning agree as far as both go
+        shown = rows[s.name]
+        assert shown and shown[:len(s.help)] == s.help[:len(shown)], (s.name, shown)
     assert all(s.help and s.valid() for s in LOCAL_SETTINGS)
     assert all(s.problem(s.default) is None for s in LOCAL_SETTINGS)  # every default is valid
     assert SCHEMA["steps"].problem(0) and SCHEMA["lr"].problem(-0.1) and SCHEMA["task"].problem("sort")
