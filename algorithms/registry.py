@@ -26,8 +26,8 @@ from ._plain import (
 from .controllers import BandGate, EntropyCoef, PaperGate
 from .settings import Setting, schema, setting, settings_of
 
-# The token rules of the entropy baselines, computed once per step over the whole batch (token_rules.py, the
-# registry: none, clip-cov, kl-cov, 80-20 and any registered with register_token_rule); AlgoConfig.rule is the one a
+# The token rules of the entropy baselines and STARE's relatives, computed once per step over the whole batch
+# (token_rules.py: its RULES registry, and any registered with register_token_rule); AlgoConfig.rule is the one a
 # config names.
 from .token_rules import RULES, TOKEN_RULES, TokenRule, get_token_rule
 

@@ -12,9 +12,10 @@ call it, so the two log the same numbers under the same names. In order:
 3. the weights (gate on only): ``stare_token_weights`` once over the whole step's batch, exact across ranks
    (``scope="global"``), or separately inside each micro-batch the engine will train on (``scope="micro_batch"``,
    the reference implementation's rule; the engine passes its micro-batches, or selects inside them later);
-   for an entropy baseline (``cfg.rule``, the token rule ``cfg.token_rule`` names: clip-cov, kl-cov, 80-20;
-   ``token_rules.py``) its rule instead, always once over the whole step's batch and whatever the telemetry
-   setting: a 0/1 weight mask (clip-cov, 80-20) or per-token penalty coefficients (kl-cov);
+   for an entropy baseline or a relative of STARE (``cfg.rule``, the token rule ``cfg.token_rule`` names, one of
+   ``token_rules.RULES``) its rule instead, always once over the whole step's batch and whatever the telemetry
+   setting: per-token weights (a 0/1 mask for clip-cov and 80-20, smooth weights for entropy-adv, dg and steer) or
+   per-token penalty coefficients (kl-cov);
 4. the weight-dependent telemetry (one more all-reduce and host read, only when there are weights or a penalty);
 5. the measured change of the batch entropy since the previous step, beside what that step forecast
    (``StepMemory`` carries the previous step's two numbers).
