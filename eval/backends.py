@@ -121,6 +121,24 @@ class HFBackend:
         ids, max_new = self._prepared(prompt, proto)
         return self._batch([(None, ids, n, seed, max_new)], proto)[0][1]
 
+    def problem_bytes(self, prompt_tokens: int, n: int, proto: Protocol) -> int:
+        """The least memory ``_batch`` needs for ``n`` rows of a ``prompt_tokens``-token prompt (one problem's
+        samples are one batch whatever ``max_batch_tokens`` says): the int64 input ids and attention mask, the
+        int64 ids ``generate`` returns (prompt and response), and one step's float32 scores with the sampler's
+        output of the same shape. The model's weights, KV cache and activations come on top."""
+        room = proto.max_tokens if self.context_length is None else self.context_length - prompt_tokens
+        new = max(1, min(proto.max_tokens, room))
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or len(self.tokenizer))
+        return n * (8 * (3 * prompt_tokens + new) + 2 * 4 * vocab)
+
+    def available_bytes(self) -> int | None:
+        """Free memory on this backend's device: the GPU's (``torch.cuda.mem_get_info``), else the machine's."""
+        if self.device == "cuda":
+            return int(self.torch.cuda.mem_get_info()[0])
+        from .harness import available_memory
+
+        return available_memory()
+
     def generate_many(self, requests, proto: Protocol):
         """Yield ``(key, samples)`` for every ``(key, prompt, n, seed)`` of ``requests``: a ``PromptTooLong`` first,
         then batches of problems with prompts of similar length (sorted by length, so little of a batch is

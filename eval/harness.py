@@ -12,8 +12,11 @@ problem order, so a finished run's ``samples.jsonl`` does not depend on the orde
 one, and continues.
 
 A backend (``stare.eval.backends``) that raises ``PromptTooLong`` for a problem has it recorded as not attempted
-(its samples score 0) and the run goes on; a model whose context fits no problem is refused before anything is
-written. The summary (``summary.json``, ``summary.md``) is ``stare.eval.summary.summarise``.
+(its samples score 0) and the run goes on; a model whose context fits no problem, and a k whose samples of one
+problem cannot be held in memory (``check_capacity``, ``check_batch_memory``), are refused before anything is
+written. The folder's record (``eval_settings.json``) and ``samples.jsonl`` are written with the first problem
+done, so a start that fails earlier leaves nothing behind. The summary (``summary.json``, ``summary.md``) is
+``stare.eval.summary.summarise``.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from .backends import PromptTooLong
 from .batching import DEFAULT_BATCHING
 from .data import Problem
 from .extraction import extract_boxed
-from .protocols import Protocol, problem_seed
-from .record import EvalRefused, RECORD, check_resume, eval_record, read_done
+from .protocols import SEED_BLOCK, Protocol, problem_seed
+from .record import EvalRefused, RECORD, check_resume, eval_record, holds_samples, read_done, write_record
 from .scoring import score_many, warn_if_all_empty
 from .summary import summarise
 
@@ -46,6 +49,69 @@ def check_fits(problems: list[Problem], backend, proto: Protocol, model: str = "
                           f"tokens fits no problem (the shortest prompt has {shortest} tokens); use a model with a "
                           "longer context (nothing was written)")
 
+
+SAMPLE_BYTES = 640  # the least memory one sample takes while its problem is scored and written (every backend): its
+# (text, tokens, extras) tuple, its record and its JSON line; 695 B measured for an empty response (Python 3.11)
+GIB = 2**30
+
+
+def available_memory() -> int | None:
+    """The memory this machine has available, in bytes (Linux's ``MemAvailable``), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_capacity(k: int, n_problems: int, available: int | None) -> None:
+    """``EvalRefused`` (one line) for a k no run can do, before anything is loaded or written: more samples than
+    one run's seeds (``problem_seed``: ``n_problems * k <= SEED_BLOCK``), or one problem's k samples, which are drawn,
+    scored and written together, more than ``available`` bytes hold at ``SAMPLE_BYTES`` each (not checked where
+    ``available`` is None)."""
+    if n_problems * k > SEED_BLOCK:
+        raise EvalRefused(f"--k {k}: {n_problems} problem(s) x {k} samples are more than one run's {SEED_BLOCK} "
+                          f"sample seeds; use --k {SEED_BLOCK // max(n_problems, 1)} or less (nothing was written)")
+    if available is not None and k * SAMPLE_BYTES > available:
+        raise EvalRefused(f"--k {k}: a problem's {k} samples are drawn, scored and written together, which needs at "
+                          f"least {k * SAMPLE_BYTES / GIB:.1f} GiB ({SAMPLE_BYTES} B a sample), and this machine "
+                          f"has {available / GIB:.1f} GiB available; use --k {available // SAMPLE_BYTES} or less "
+                          "(nothing was written)")
+
+
+def check_batch_memory(problems: list[Problem], backend, proto: Protocol) -> None:
+    """``EvalRefused`` (one line) when the backend cannot hold one problem's k samples in one generate call: the
+    least it needs for the longest prompt (``backend.problem_bytes``) above what its device has available
+    (``backend.available_bytes``). Backends without them (vLLM schedules a request's samples itself) are not
+    checked."""
+    need = getattr(backend, "problem_bytes", None)
+    have = getattr(backend, "available_bytes", None)
+    count = getattr(backend, "prompt_tokens", None)
+    if need is None or have is None or count is None or not problems:
+        return
+    available = have()
+    if available is None:
+        return
+    longest = max(count(backend.prompt_text(p.problem, proto.instruction)) for p in problems)
+    one = need(longest, 1, proto)
+    if proto.k * one > available:
+        raise EvalRefused(f"--k {proto.k}: the {backend.name} backend generates a problem's {proto.k} samples as one "
+                          f"batch, which needs at least {proto.k * one / GIB:.1f} GiB ({one} B a sample: its token "
+                          f"ids and a step's scores), and {available / GIB:.1f} GiB is available on "
+                          f"{getattr(backend, 'device', 'its device')}; use --k {available // one} or less (nothing "
+                          "was written)")
+
+
+def check_start(problems: list[Problem], backend, proto: Protocol, model: str = "the model") -> None:
+    """Every refusal that needs the loaded backend, before anything is written: ``check_fits``,
+    ``check_capacity``, ``check_batch_memory``. ``run_eval`` makes them; the CLI makes them first, before its
+    progress bar appears."""
+    check_fits(problems, backend, proto, model)
+    check_capacity(proto.k, len(problems), available_memory())
+    check_batch_memory(problems, backend, proto)
 
 
 def stderr_warning(message: str) -> None:
@@ -115,13 +181,15 @@ def scored_records(p: Problem, generated: list, score_timeout: float) -> list[di
 class _ScoreWriter:
     """The thread that scores each finished problem and appends it to ``samples.jsonl`` (fsync), so scoring overlaps
     generation. ``put`` hands it a problem; ``close`` waits for what was handed over. An error in the thread
-    (``ScoringError``, a full disk) stops it and is raised again by the next ``put`` or by ``close``."""
+    (``ScoringError``, a full disk) stops it and is raised again by the next ``put`` or by ``close``. The file is
+    opened for the first problem, after ``begin()`` (which writes the folder's record)."""
 
     _END = object()
 
-    def __init__(self, f, problems: list[Problem], proto: Protocol, results: dict, *, score_timeout: float, warn,
-                 progress):
-        self.f, self.problems, self.proto, self.results = f, problems, proto, results
+    def __init__(self, path: Path, problems: list[Problem], proto: Protocol, results: dict, *, score_timeout: float,
+                 warn, progress, begin):
+        self.path, self.f, self.begin = path, None, begin
+        self.problems, self.proto, self.results = problems, proto, results
         self.score_timeout, self.warn, self.progress = score_timeout, warn, progress
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -147,6 +215,9 @@ class _ScoreWriter:
             recs = not_attempted_records(p, self.proto.k, generated)
         else:
             recs = scored_records(p, generated, self.score_timeout)
+        if self.f is None:
+            self.begin()
+            self.f = open(self.path, "a")
         self.f.write("".join(json.dumps(r) + "\n" for r in recs))
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -167,6 +238,8 @@ class _ScoreWriter:
         the problems already generated are kept)."""
         self.queue.put(self._END)
         self.thread.join()
+        if self.f is not None:
+            self.f.close()
         self._raise()
 
 
@@ -183,20 +256,30 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
     """Sample, score and stream every problem (see the module docstring); ``warn(message)`` gets the one-line
     warnings (a protocol longer than the context, a problem not attempted; default: stderr). ``EvalRefused``
     before anything is written: ``resume`` with other settings than the folder's (``check_resume``), a model whose
-    context fits no problem (``check_fits``)."""
+    context fits no problem (``check_fits``), a k that cannot be held (``check_capacity``, ``check_batch_memory``).
+    A folder that holds no sample (``holds_samples``) starts afresh, ``resume`` or not; its record and samples
+    are written with the first problem done."""
     warn = warn or stderr_warning
     record = eval_record(proto, seed=seed, model=model, bench=bench, data=data, tools=tools, batching=batching)
     samples_path = out / "samples.jsonl"
     if resume:
         check_resume(out, record)
-    check_fits(problems, backend, proto, model)
+    check_start(problems, backend, proto, model)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, out / RECORD)
-    done = read_done(samples_path, proto.k, warn) if resume else {}
-    if not resume and samples_path.exists():
-        samples_path.unlink()
+    recorded = []
+
+    def begin() -> None:
+        if not recorded:
+            write_record(out, record)
+            recorded.append(True)
+
+    if resume and holds_samples(out):
+        begin()  # the same settings (check_resume); the record as this version writes it
+        done = read_done(samples_path, proto.k, warn)
+    else:  # a fresh start: what an earlier start left (a record, an empty or cut samples file) goes
+        for stale in (out / RECORD, samples_path):
+            stale.unlink(missing_ok=True)
+        done = {}
     results: dict[str, list[dict]] = dict(done)
     check_context([p for p in problems if p.id not in results], backend, proto, warn)
     if progress:
@@ -204,16 +287,17 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
             if p.id in results:
                 progress(proto.k)
     todo = [(i, p) for i, p in enumerate(problems) if p.id not in results]
-    with open(samples_path, "a") as f:
-        writer = _ScoreWriter(f, problems, proto, results, score_timeout=score_timeout, warn=warn, progress=progress)
-        stream = sample_stream(backend, todo, proto, seed, batching)
-        try:
-            for i, generated in stream:
-                writer.put(i, generated)
-        finally:
-            if hasattr(stream, "close"):  # a generator stopped early aborts the requests still in its engine
-                stream.close()
-            writer.close()
+    writer = _ScoreWriter(samples_path, problems, proto, results, score_timeout=score_timeout, warn=warn,
+                          progress=progress, begin=begin)
+    stream = sample_stream(backend, todo, proto, seed, batching)
+    try:
+        for i, generated in stream:
+            writer.put(i, generated)
+    finally:
+        if hasattr(stream, "close"):  # a generator stopped early aborts the requests still in its engine
+            stream.close()
+        writer.close()
+    begin()
     write_in_order(samples_path, problems, results)
     # of the samples generated: a problem not attempted (its prompt longer than the context) has no response to judge
     warn_if_all_empty([r["response"] for p in problems for r in results.get(p.id, []) if not r.get("not_attempted")])

@@ -1,10 +1,14 @@
 """An evaluation folder's record: the settings its samples were drawn with (``eval_settings.json``), what
 ``--resume`` checks against them, and the samples it keeps.
 
-``eval_record`` is written before the first sample; ``check_resume`` refuses a ``--resume`` with other settings
-(one line naming the first flag that differs) or a corrupt ``samples.jsonl``; ``read_done`` keeps every problem
-whose k samples are all on disk, drops a partly written one and a last line cut by a kill. ``EvalRefused`` is
-every refusal of ``stare eval`` (the CLI prints one line and exits with code 2). Standard library only.
+``eval_record`` is written (``write_record``) just before the first problem's samples, so a start that fails
+before any problem is done leaves no record and no samples. ``holds_samples`` says whether a folder holds an
+evaluation to continue (a finished one, or at least one whole sample line); one that does not (nothing there, or
+what an older failed start left: a record and an empty ``samples.jsonl``) is a fresh start, for a run without
+``--resume`` as for one with it. ``check_resume`` refuses a ``--resume`` with other settings (one line naming the
+first flag that differs) or a corrupt ``samples.jsonl``; ``read_done`` keeps every problem whose k samples are all
+on disk, drops a partly written one and a last line cut by a kill. ``EvalRefused`` is every refusal of ``stare
+eval`` (the CLI prints one line and exits with code 2). Standard library only.
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ class EvalRefused(ValueError):
     problem. Raised before anything is written."""
 
 
-RECORD = "eval_settings.json"  # the settings an output folder's samples were drawn with, written before the first
-# sample; --resume must ask for the same (summary.json holds them too, for folders from before this file)
+RECORD = "eval_settings.json"  # the settings an output folder's samples were drawn with, written just before the
+# first problem's samples; --resume must ask for the same (summary.json holds them too, for folders from before it)
 RECORD_KEYS = ("protocol", "k", "temperature", "top_p", "max_tokens", "seed", "model", "bench", "data", "tools",
                "batching")
 
@@ -66,9 +70,31 @@ def _old_record(out: Path) -> dict | None:
     return None
 
 
+def write_record(out: Path, record: dict) -> None:
+    """``out/eval_settings.json`` (atomically)."""
+    tmp = out / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out / RECORD)
+
+
+def holds_samples(out: Path) -> bool:
+    """``out`` holds an evaluation to keep or continue: its ``summary.json``, or a ``samples.jsonl`` whose first
+    line is whole (a line cut by a kill is not a sample). A folder with a record but no sample (a start that failed
+    before its first problem was done) holds none. Reads one line at most."""
+    if (out / "summary.json").is_file():
+        return True
+    try:
+        with open(out / "samples.jsonl", "rb") as f:
+            return f.readline().endswith(b"\n")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+
+
 def recorded_batching(out: Path) -> str | None:
     """The ``--batching`` the samples in ``out`` were drawn with: its record's, ``problem`` for samples written
-    before the mode was recorded, None for a folder without samples or a record naming one."""
+    before the mode was recorded, None for a folder without samples (``holds_samples``) or a record naming one."""
+    if not holds_samples(out):
+        return None
     try:
         old = _old_record(out)
     except EvalRefused:
@@ -90,7 +116,10 @@ def read_samples(samples_path: Path) -> tuple[list[dict], bool]:
 def check_resume(out: Path, record: dict) -> None:
     """``--resume`` in ``out`` continues the same evaluation: every setting in the folder's record equals the
     request's (one line naming the first that differs), and ``samples.jsonl`` has no corrupt line but a cut last
-    one. Raises ``EvalRefused``; reads only."""
+    one. A folder that holds no sample (``holds_samples``) has nothing to continue: any settings start it afresh.
+    Raises ``EvalRefused``; reads only."""
+    if not holds_samples(out):
+        return
     old = _old_record(out)
     samples = out / "samples.jsonl"
     records = read_samples(samples)[0] if samples.is_file() else []

@@ -233,14 +233,15 @@ def check_eval_options(evals: EvalOptions, ray_address: str | None) -> None:
 def _eval_state(run_dir: Path, bench: str, evals: EvalOptions, seed: int) -> str:
     """kept (summary.json there), resume (samples, no summary) or new; ``CliError`` when the folder's samples were
     drawn with other settings than these (what ``stare eval --resume`` would refuse)."""
+    from stare.eval.record import EvalRefused, check_resume, eval_record, holds_samples, recorded_batching
+
     folder = run_dir / f"eval-{bench}"
-    has_summary, has_samples = (folder / "summary.json").is_file(), (folder / "samples.jsonl").is_file()
-    if not (has_summary or has_samples):
+    has_summary = (folder / "summary.json").is_file()
+    if not holds_samples(folder):  # nothing there, or what a failed start left (a record, no sample)
         return NEW
     from stare.eval.batching import DEFAULT_BATCHING
     from stare.eval.data import local_data_file
     from stare.eval.protocols import resolve_protocol
-    from stare.eval.record import EvalRefused, check_resume, eval_record, recorded_batching
 
     proto = resolve_protocol(evals.protocol, k=evals.k, temperature=None, top_p=None, max_tokens=evals.max_tokens)
     local = local_data_file(bench, None)

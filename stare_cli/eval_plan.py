@@ -188,7 +188,8 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
     from stare.eval.backends import check_backend, default_backend
     from stare.eval.batching import DEFAULT_BATCHING, check_batching
     from stare.eval.protocols import resolve_protocol
-    from stare.eval.record import EvalRefused, check_resume, eval_record, recorded_batching
+    from stare.eval.harness import available_memory, check_capacity
+    from stare.eval.record import EvalRefused, check_resume, eval_record, holds_samples, recorded_batching
 
     if bench not in BENCHES:
         raise CliError(f"unknown bench {bench!r}; valid benches: {', '.join(BENCHES)}")
@@ -226,7 +227,9 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
         local = local_data_file(bench, data_file)
         if harness == "stare" or local is not None:  # lm-eval reads the hub itself
             problems = load_bench(bench, data_file=local if local is not None else "hub", limit=limit)
-    except ValueError as exc:
+        if problems is not None and harness == "stare":  # a k no run can hold, before a model is loaded
+            check_capacity(proto.k, len(problems), available_memory())
+    except ValueError as exc:  # EvalRefused too
         raise CliError(str(exc)) from None
     data = str(Path(local).resolve()) if local is not None else "hub"
     if resume and harness == "stare":  # the folder's settings, before any model is loaded or anything written
@@ -235,7 +238,7 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
                                               batching=batching))
         except EvalRefused as exc:
             raise CliError(str(exc)) from None
-    if (out_dir / "samples.jsonl").exists() and not resume:
+    if holds_samples(out_dir) and not resume:  # a record without samples (a failed start) is no evaluation
         raise CliError(f"{out_dir} already holds samples; " + ("pass --resume to continue or " if harness == "stare"
                                                                else "") + "use another --out (nothing was changed)")
     try:
@@ -294,10 +297,14 @@ def run_with_progress(plan: EvalPlan, engine, console) -> dict:
     """The stare harness on ``engine`` (one backend, or several engines) under a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from stare.eval.harness import run_eval
+    from stare.eval.harness import check_start, run_eval
     from stare.eval.record import EvalRefused
 
     proto = plan.proto
+    try:  # what the loaded model refuses (no problem fits its context, a k it cannot hold): before the bar shows
+        check_start(plan.problems, engine, proto, plan.model)
+    except EvalRefused as exc:
+        raise CliError(str(exc)) from None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(f"{plan.bench} x {proto.k} samples", total=len(plan.problems) * proto.k)

@@ -236,3 +236,21 @@ def test_error_line_picks_the_line_that_says_why(tmp_path, log, want):
     path = tmp_path / "x.log"
     path.write_text(log)
     assert cr.error_line(path) == want
+
+
+def test_an_evaluation_folder_a_failed_start_left_is_new(tmp_path):
+    """Issue 58 item 3: a record with no sample (what `stare eval` wrote before it failed, e.g. at --k 100000000) is
+    no evaluation to resume or to refuse: the plan starts it afresh, as `stare eval` does."""
+    out = tmp_path / "out"
+    grpo = json.loads(json.dumps(_arm_set().resolved["grpo"]))
+    grpo["settings"]["seed"] = 42
+    run_dir = out / "grpo" / "seed0"
+    _fake_finished_training(run_dir, grpo)
+    from stare.cli.rundir import mark_run_set
+
+    mark_run_set(out, PRESET, ["grpo", "dapo"], 1)
+    folder = run_dir / "eval-aime25"
+    folder.mkdir()
+    (folder / "eval_settings.json").write_text(json.dumps({"protocol": "stare", "k": 100000000}))
+    (folder / "samples.jsonl").write_text("")
+    assert _plan(out, resume=True, evals=cr.EvalOptions(["aime25"], "stare", k=2)).steps[1].state == "new"

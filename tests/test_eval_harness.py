@@ -181,3 +181,131 @@ def test_not_attempted_and_truncated_by_hand(tmp_path):
     assert backend.calls == ["qlong", "qb"]  # a was kept
     assert s2["truncated"] == pytest.approx(1 / 8) and s2["not_attempted"] == 1  # a's old rows: not truncated
     assert s2["avg_at_k"] == s["avg_at_k"]
+
+
+# issue 58 item 3: a k that cannot be held is one line before anything is written, and a failed start blocks no retry
+
+def test_a_k_no_machine_holds_is_one_line_and_nothing_is_written(tiny_model, data_file, tmp_path):
+    """`stare eval --k 1000000000 --limit 1` (the issue's 1e8, ten times over so that no test machine holds it): one
+    line, exit 2, no folder; before the fix a 70-line `can't allocate memory` traceback, a record and an empty
+    samples.jsonl."""
+    out = tmp_path / "ev"
+    res = stare("eval", "--bench", "aime25", "--model", str(tiny_model), "--data-file", str(data_file), "--k",
+                "1000000000", "--limit", "1", "--max-tokens", "6", "--backend", "hf", "--out", str(out))
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert lines[0].startswith("error: --k 1000000000: a problem's 1000000000 samples") and "or less" in lines[0]
+    assert not out.exists()
+
+
+def test_check_capacity_bounds_by_hand():
+    from stare.eval.harness import SAMPLE_BYTES, check_capacity
+    from stare.eval.record import EvalRefused
+
+    check_capacity(1000, 3, 1000 * SAMPLE_BYTES)  # exactly enough
+    with pytest.raises(EvalRefused, match=r"^--k 1001: a problem's 1001 samples .* use --k 1000 or less"):
+        check_capacity(1001, 3, 1000 * SAMPLE_BYTES)
+    check_capacity(10**9, 1, None)  # memory unknown: not checked
+    # one run's seeds: problem i's samples take seeds [i k, (i + 1) k) of a block of 2**32
+    check_capacity(2**32 // 3, 3, None)
+    with pytest.raises(EvalRefused, match=rf"^--k {2**32 // 3 + 1}: 3 problem\(s\) x .* use --k {2**32 // 3} or"):
+        check_capacity(2**32 // 3 + 1, 3, None)
+
+
+def test_the_hf_batch_floor_is_the_tensors_generate_allocates(tiny_model):
+    """HFBackend.problem_bytes against the real tensors of one problem's batch: input ids, attention mask, the ids
+    generate returns (at their longest) and a step's scores (twice: the model's and the sampler's), read off a real
+    generate call."""
+    from stare.eval.backends import HFBackend
+
+    backend = HFBackend(str(tiny_model))
+    proto = Protocol("stare", 3, 1.0, 0.7, 5)
+    seen = {}
+    real = backend.model.generate
+
+    def spy(**kw):
+        seen["ids"], seen["mask"] = kw["input_ids"].nbytes, kw["attention_mask"].nbytes
+        sampler = kw["logits_processor"][0]
+
+        def watch(input_ids, scores, _call=sampler.__call__):
+            seen["scores"] = scores.nbytes
+            return _call(input_ids, scores)
+
+        kw["logits_processor"] = [watch]
+        out = real(**kw)
+        full = kw["input_ids"].shape[1] + kw["max_new_tokens"]  # the ids returned, at the longest generate may make
+        assert out.shape[1] <= full
+        seen["out"] = out.shape[0] * full * out.element_size()
+        return out
+
+    backend.model.generate = spy
+    prompt = backend.prompt_text("What is 1+1?", proto.instruction)
+    backend.generate(prompt, proto.k, proto, 7)
+    n_prompt = backend.prompt_tokens(prompt)
+    assert backend.problem_bytes(n_prompt, proto.k, proto) == (seen["ids"] + seen["mask"] + seen["out"]
+                                                               + 2 * seen["scores"])
+
+
+class FailingBackend:
+    """Fails as the first problem is generated (as the HF backend's `can't allocate memory` did)."""
+
+    name = "failing"
+
+    def prompt_text(self, problem, instruction):
+        return problem
+
+    def generate(self, prompt, n, proto, seed):
+        raise RuntimeError("can't allocate memory")
+
+
+def test_a_failed_start_leaves_nothing_and_the_retry_starts_afresh(tmp_path):
+    problems = [Problem("a", "qa", "12"), Problem("b", "qb", "7")]
+    out = tmp_path / "ev"
+    with pytest.raises(RuntimeError, match="allocate"):
+        run_eval(problems, FailingBackend(), Protocol("stare", 64, 1.0, 0.7, 16), out, bench="aime24", model="m",
+                 seed=0, resume=False)
+    assert not (out / "eval_settings.json").exists() and not (out / "samples.jsonl").exists()
+    # what an older failed start left (a record with the refused k, an empty samples file): a fresh start for a
+    # corrected run, with --resume as without
+    from stare.eval.record import check_resume, eval_record, holds_samples
+
+    stale = eval_record(Protocol("stare", 10**8, 1.0, 0.7, 16), seed=0, model="m", bench="aime24")
+    for resume in (False, True):
+        (out / "eval_settings.json").write_text(json.dumps(stale))
+        (out / "samples.jsonl").write_text("")
+        assert not holds_samples(out)
+        backend = ScriptedBackend({"qa": ["12", "13"], "qb": ["7", "7"]})
+        s = run_eval(problems, backend, Protocol("stare", 2, 1.0, 0.7, 16), out, bench="aime24", model="m", seed=0,
+                     resume=resume)
+        assert s["avg_at_k"] == pytest.approx((1 / 2 + 2 / 2) / 2)
+        assert json.loads((out / "eval_settings.json").read_text())["k"] == 2
+        assert len((out / "samples.jsonl").read_text().splitlines()) == 4
+        (out / "summary.json").unlink()
+    # a samples file whose only line was cut by a kill holds no sample either; a whole line does
+    (out / "samples.jsonl").write_text('{"problem_id": "a", "sample_idx": 0')
+    assert not holds_samples(out)
+    check_resume(out, eval_record(Protocol("stare", 3, 1.0, 0.7, 16), seed=0, model="m", bench="aime24"))
+    (out / "samples.jsonl").write_text('{"problem_id": "a", "sample_idx": 0}\n')
+    assert holds_samples(out)
+
+
+def test_the_cli_retry_after_a_failed_start_is_not_refused(tiny_model, data_file, tmp_path):
+    """The issue's second half: a folder with a record of k 100000000 and an empty samples.jsonl (what the failed
+    start wrote) was refused ("already holds samples; pass --resume", and --resume refused the new k)."""
+    out = tmp_path / "ev"
+    args = ["eval", "--bench", "aime25", "--model", str(tiny_model), "--data-file", str(data_file), "--limit", "1",
+            "--max-tokens", "4", "--backend", "hf", "--out", str(out)]
+    from stare.eval.record import eval_record
+
+    for extra in ([], ["--resume"]):
+        out.mkdir(exist_ok=True)
+        (out / "eval_settings.json").write_text(json.dumps(eval_record(
+            Protocol("stare", 10**8, 1.0, 0.7, 4), seed=0, model=str(tiny_model), bench="aime25")))
+        (out / "samples.jsonl").write_text("")
+        res = stare(*args, "--k", "2", *extra)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert json.loads((out / "eval_settings.json").read_text())["k"] == 2
+        assert len((out / "samples.jsonl").read_text().splitlines()) == 2
+        for f in out.iterdir():
+            f.unlink()
