@@ -232,7 +232,8 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: finished trainings and "
                                 "evaluations are kept, interrupted ones continue, failed ones are retried."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan as one JSON object (every step, its "
-                                 "command and whether it is kept, resumed or new) and exit; nothing is written."),
+                                 "command and whether it is kept, resumed or new, as the run decides it; what the "
+                                 "run refuses, refused with its line) and exit; nothing is written; needs no Ray."),
     bench: Optional[str] = typer.Option(None, "--bench", "-b", help="GPU presets: comma-separated benchmarks each "
                                         "final model is evaluated on (default: the preset's benches setting)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="GPU presets: run every training and "
@@ -286,13 +287,11 @@ def run(
     if given:
         fail(f"{given[0]} is for GPU presets; {arm_set.preset!r} is a local preset, evaluated on its own held-out "
              "problems (its eval_* settings)")
-    if dry_run:
-        from .local.runner import arm_dirs
+    if dry_run:  # the run's own decision for every arm (kept, resume, new), or its refusal
+        from .local.runner import plan_run_set
 
         _dump({"preset": arm_set.preset, "out": str(out), "arms": arm_set.arms, "seeds": arm_set.seeds,
-               "runs": [{"arm": a, "seed": arm_set.settings["seed"] + s, "out": str(d),
-                         "state": "kept" if (d / "eval.json").exists() else "resume" if (d / "config.yaml").exists()
-                         else "new"} for (a, s), d in arm_dirs(out, arm_set.arms, arm_set.seeds).items()]})
+               "runs": [a.to_json() for a in plan_run_set(arm_set, out, resume=resume)]})
         return
     from .local.runner import run_set
 

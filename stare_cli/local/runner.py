@@ -3,7 +3,8 @@
 ``train_arm`` is ``stare train`` on a local preset (one arm, in this process); ``run_set`` is ``stare run`` (every
 arm of a ``stare.cli.run_set.RunSet`` through ``run_arms``, then the comparison and the plots). Both check this
 machine first (``check_device``, ``check_model``) and raise ``stare.cli.errors.CliError`` (one line) for what the
-user fixes, before anything is written.
+user fixes, before anything is written. What ``stare run`` does with each arm's folder (kept, resume, new, or the
+refusal) is decided once, by ``plan_run_set``, for the run and for ``stare run --dry-run`` alike.
 
 Each arm (algorithm x seed) is one process with one torch thread; ``parallel`` arms run at a time (two on
 two cores). With ``device: cuda`` the arms' processes share the one GPU, each with its own CUDA context (the tiny
@@ -19,6 +20,7 @@ import multiprocessing as mp
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -103,6 +105,51 @@ def _train(resolved: dict, out: Path, resume: bool, console: Console) -> dict:
         return trainer.run(resume=resume, on_step=on_step)
 
 
+KEPT, RESUME, NEW = "kept", "resume", "new"
+
+
+@dataclass
+class ArmPlan:
+    """One arm x seed of a local ``stare run``: its settings (the seed set), its folder and what the run does there:
+    ``kept`` (finished: its eval.json is there), ``resume`` (its folder holds this run, interrupted) or ``new``."""
+    arm: str
+    seed: int
+    resolved: dict
+    run_dir: Path
+    state: str
+
+    def to_json(self) -> dict:
+        return {"arm": self.arm, "seed": self.seed, "out": str(self.run_dir), "state": self.state}
+
+
+def plan_arms(resolved_by_arm: dict[str, dict], out: Path, *, seeds: int, resume: bool) -> list[ArmPlan]:
+    """Every arm x seed's state (``ArmPlan``), reading only. ``RunDirError`` (one line) for what the run refuses: a
+    folder that holds a run without ``resume``, a run of another preset, algorithm or settings, a non-empty folder
+    that holds none, a run to resume whose metrics or checkpoint are corrupt."""
+    base_seed = next(iter(resolved_by_arm.values()))["settings"]["seed"]
+    plan = []
+    for (arm, s), run_dir in arm_dirs(out, list(resolved_by_arm), seeds).items():
+        resolved = json.loads(json.dumps(resolved_by_arm[arm]))
+        resolved["settings"]["seed"] = base_seed + s
+        # with --resume, arms not started yet are simply started
+        existing = check_run_dir(run_dir, resolved, resume and (run_dir / "config.yaml").exists())
+        state = KEPT if existing and (run_dir / "eval.json").exists() else RESUME if existing else NEW
+        if state == RESUME:
+            check_resumable(run_dir)  # a corrupt metrics line or checkpoint: one line, before anything is written
+        plan.append(ArmPlan(arm, base_seed + s, resolved, run_dir, state))
+    return plan
+
+
+def plan_run_set(arm_set, out: Path, *, resume: bool) -> list[ArmPlan]:
+    """The one decision of a local ``stare run`` for every arm x seed (``plan_arms``, after ``check_run_set_dir``),
+    shared by the run (``run_set``) and ``stare run --dry-run``; ``CliError`` (one line) for a refusal. Reads only."""
+    try:
+        check_run_set_dir(out, arm_set.preset)
+        return plan_arms(arm_set.resolved, out, seeds=arm_set.seeds, resume=resume)
+    except RunDirError as exc:
+        raise CliError(str(exc)) from None
+
+
 def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console) -> list[Path]:
     """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
     ``out`` (``run_arms``), then ``comparison.md``/``.csv``/``.json`` and the plots; returns the plot files."""
@@ -116,10 +163,7 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
     check_device(first)
     check_out_dir(out)
     check_free(out)  # another process writing there (or in a folder above): refused before anything is read
-    try:
-        check_run_set_dir(out, arm_set.preset)
-    except RunDirError as exc:
-        raise CliError(str(exc)) from None
+    plan = plan_run_set(arm_set, out, resume=resume)  # what --dry-run prints
     check_model(first, prepare=True)
     with hold(out):  # the arms' folders are inside: one lock for all
         mark_run_set(out, arm_set.preset, arm_set.arms, arm_set.seeds)
@@ -127,8 +171,7 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
         console.print(f"[bold]stare run[/] {escape(arm_set.preset)}: {arms} x {arm_set.seeds} seed(s) -> "
                       f"{escape(str(out))}")
         try:
-            dirs = run_arms(arm_set.resolved, out, seeds=arm_set.seeds, resume=resume, parallel=parallel,
-                            console=console)
+            dirs = run_arms(plan, out, seeds=arm_set.seeds, parallel=parallel, console=console)
         except RunDirError as exc:
             raise CliError(str(exc)) from None
         runs = [load_run(d) for d in dirs]
@@ -214,22 +257,14 @@ def arm_dirs(out: Path, algos: list[str], seeds: int) -> dict[tuple[str, int], P
     return {(a, s): (out / a if seeds == 1 else out / a / f"seed{s}") for a in algos for s in range(seeds)}
 
 
-def run_arms(resolved_by_algo: dict[str, dict], out: Path, *, seeds: int, resume: bool, parallel: int = 2,
+def run_arms(arm_plans: list[ArmPlan], out: Path, *, seeds: int, parallel: int = 2,
              console: Console | None = None) -> list[Path]:
-    """Train and evaluate every arm; returns their run directories (in algorithm, seed order)."""
+    """Train and evaluate every arm of ``arm_plans`` (``plan_arms``: the kept ones are not touched); returns their
+    run directories (in algorithm, seed order)."""
     console = console or Console()
-    base_seed = next(iter(resolved_by_algo.values()))["settings"]["seed"]
-    plan = []  # (algo, seed, resolved, run_dir, done)
-    for (algo, s), run_dir in arm_dirs(out, list(resolved_by_algo), seeds).items():
-        resolved = json.loads(json.dumps(resolved_by_algo[algo]))
-        resolved["settings"]["seed"] = base_seed + s
-        # with --resume, arms not started yet are simply started
-        check_run_dir(run_dir, resolved, resume and (run_dir / "config.yaml").exists())
-        if resume and not (run_dir / "eval.json").exists():
-            check_resumable(run_dir)  # a corrupt metrics line or checkpoint: one line, before anything is written
-        plan.append((algo, base_seed + s, resolved, run_dir, (run_dir / "eval.json").exists()))
-    for _, _, resolved, run_dir, _ in plan:  # every arm checked before anything is written
-        prepare_run_dir(run_dir, resolved, resume=(run_dir / "config.yaml").exists())
+    for a in arm_plans:  # the new arms' folders and config.yaml, every arm checked before (plan_arms)
+        prepare_run_dir(a.run_dir, a.resolved, resume=a.state != NEW)
+    plan = [(a.arm, a.seed, a.resolved, a.run_dir, a.state == KEPT) for a in arm_plans]  # (algo, seed, ..., done)
 
     ctx = mp.get_context("spawn")
     columns = bars.columns()  # steps, live reward and entropy, clock, ETA
