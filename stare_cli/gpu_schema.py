@@ -92,6 +92,10 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("top_p", float, 1.0, "rollout nucleus sampling"),
     Setting("episodes", int, 1, "passes over the prompt set", low=1),
     Setting("seed", int, 42, "training seed"),
+    Setting("seeded_rollouts", bool, True, "every rollout request carries a seed derived from seed, the step, the "
+            "prompt's draw and the sample, a step's groups reach the trainer in draw order, and its update order is "
+            "seeded too: a resumed run repeats the uninterrupted one, rollouts and weights (bit for bit on vLLM's "
+            "CPU engine; GPUs: docs/openrlhf-backend.md, Resume); false: OpenRLHF's unseeded requests"),
     Setting("gpus_per_node", int, REQUIRED, "GPUs per node", low=1),
     Setting("nodes", int, REQUIRED, "nodes", low=1),
     Setting("vllm_engines", int, REQUIRED, "vLLM rollout engines", low=1),

@@ -175,6 +175,11 @@ def test_launch_registers_the_stare_actor_and_passes_settings_to_the_workers(mon
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(orl, "check_first_worker", lambda ray, address: None)  # no Ray here to run a task on
     monkeypatch.setattr(ppo_actor, "PolicyModelActor", ppo_actor.PolicyModelActor)  # restored afterwards
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ray import vllm_engine
+
+    monkeypatch.setattr(ppo_trainer, "PPOTrainer", ppo_trainer.PPOTrainer)  # register() replaces them too
+    monkeypatch.setattr(vllm_engine, "RolloutRayActor", vllm_engine.RolloutRayActor)
     import openrlhf.utils
 
     monkeypatch.setattr(openrlhf.utils, "get_strategy", stop_at_placement)

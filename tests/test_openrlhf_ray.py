@@ -39,6 +39,11 @@ def test_registered_actor_runs_in_a_ray_worker_with_the_settings(monkeypatch):
     env["env_vars"]["PYTHONPATH"] = TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")
     env["worker_process_setup_hook"] = "openrlhf_standins.install"
     monkeypatch.setattr(ppo_actor, "PolicyModelActor", ppo_actor.PolicyModelActor)  # restored afterwards
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ray import vllm_engine
+
+    monkeypatch.setattr(ppo_trainer, "PPOTrainer", ppo_trainer.PPOTrainer)  # register() replaces them too
+    monkeypatch.setattr(vllm_engine, "RolloutRayActor", vllm_engine.RolloutRayActor)
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, runtime_env=env, log_to_driver=False)
     try:
         plugin.register()

@@ -254,14 +254,17 @@ def test_resume_line_names_the_checkpoint_and_where_it_stands(tmp_path):
         (ckpt / "_actor" / f"global_step{step}").mkdir()  # DeepSpeed's folder, saved just before the state
         save_stare_state(_Controller(step), str(ckpt), f"global_step{step}", 2, client)
     (ckpt / "_actor" / "latest").write_text("global_step1")  # DeepSpeed's tag file names what OpenRLHF loads
-    tail = ("; a step past it is trained again from the same prompts, its rollouts sampled anew (OpenRLHF does not "
-            "seed them)")
+    tail = ("; a step past it is trained again from the same prompts with the same rollout seeds (the same rollouts "
+            "where the engine's arithmetic repeats: docs/openrlhf-backend.md, Resume)")
     assert describe_resume(ckpt) == "resuming from checkpoint global_step1 (episode 1, 3 prompts drawn)" + tail
     (ckpt / "_actor" / "latest").write_text("global_step2")
     assert describe_resume(ckpt) == ("resuming from checkpoint global_step2 (episode 1, 4 prompts drawn; the episode "
                                      "had ended, so the next one starts)" + tail)
     (ckpt / "stare" / "global_step2.json").unlink()  # a checkpoint from before positions were kept
     assert describe_resume(ckpt) == "resuming from checkpoint global_step2" + tail
+    assert describe_resume(ckpt, seeded_rollouts=False) == ("resuming from checkpoint global_step2; a step past it "
+                                                            "is trained again from the same prompts, its rollouts "
+                                                            "sampled anew (seeded_rollouts is off)")
 
 
 def test_every_ray_worker_seeds_torch_from_the_runs_seed(tmp_path):

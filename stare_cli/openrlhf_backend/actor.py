@@ -1,4 +1,5 @@
-"""STARE in OpenRLHF's Ray policy actor: the one place where stare plugs into OpenRLHF's training.
+"""STARE in OpenRLHF's Ray policy actor: the one place where stare plugs into OpenRLHF's training (into its
+sampling: ``rollouts``).
 
 - ``register`` (in the driver) makes OpenRLHF's ``train_ppo_ray`` create ``StarePolicyModelActor`` wherever it
   creates its ``PolicyModelActor``.

@@ -32,6 +32,10 @@ REWARD_TIMEOUT_ENV = "STARE_REWARD_TIMEOUT_S"
 # otherwise seeds at random in each new process, so two runs with one seed would see the prompts in other orders
 SEED_ENV = "STARE_SEED"
 SEED_HOOK = "stare.cli.openrlhf_backend.launch.seed_worker"
+# 1 (the default, the seeded_rollouts setting) or 0: whether the trainer actor seeds every rollout request and hands
+# a step's groups on in prompt-draw order (rollouts.StarePPOTrainer), and the policy actor seeds each step's update
+# order (step.StareStep.seed_update_order); both read it in their workers (seeds.seeded_rollouts_on)
+SEEDED_ROLLOUTS_ENV = "STARE_SEEDED_ROLLOUTS"
 PROMPT_FILE = "data/train.jsonl"  # relative to the run directory; written by stare train before launch
 
 
@@ -276,6 +280,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
     env = {SETTINGS_ENV: json.dumps({"algo": algo, "run": run_name}, sort_keys=True),
            REWARD_TIMEOUT_ENV: _fmt(s["reward_timeout_s"]),
            SEED_ENV: str(s["seed"]),
+           SEEDED_ROLLOUTS_ENV: "1" if s["seeded_rollouts"] else "0",
            "TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
     if s["agent"]:
         env["STARE_TOOL_MAX_TURNS"] = str(s["tool_max_turns"])

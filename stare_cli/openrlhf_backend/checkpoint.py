@@ -75,9 +75,10 @@ def position(client_states: dict) -> dict:
             "episode_ended": loader.get(compat.LOADER_FINISHED)}
 
 
-def describe_resume(ckpt_path) -> str:
+def describe_resume(ckpt_path, seeded_rollouts: bool = True) -> str:
     """One line for ``stare train --resume``, before anything starts: the checkpoint OpenRLHF will load and where
-    it stands, and what a resume cannot restore (the rollouts of a step that had not reached its checkpoint)."""
+    it stands, and what becomes of the rollouts of a step that had not reached its checkpoint: drawn again with
+    the same seeds (``seeded_rollouts``, ``rollouts``), or sampled anew (off)."""
     tag_file = Path(ckpt_path) / "_actor" / "latest"  # DeepSpeed's
     if not tag_file.exists():
         return "no OpenRLHF checkpoint yet: training starts from step 0"
@@ -91,8 +92,11 @@ def describe_resume(ckpt_path) -> str:
     if pos.get("episode") is not None:
         line += f" (episode {pos['episode'] + 1}, {pos['prompts_consumed']} prompts drawn"
         line += "; the episode had ended, so the next one starts)" if pos.get("episode_ended") else ")"
+    if seeded_rollouts:
+        return line + ("; a step past it is trained again from the same prompts with the same rollout seeds (the same "
+                       "rollouts where the engine's arithmetic repeats: docs/openrlhf-backend.md, Resume)")
     return line + ("; a step past it is trained again from the same prompts, its rollouts sampled anew "
-                   "(OpenRLHF does not seed them)")
+                   "(seeded_rollouts is off)")
 
 
 def resume_position(states: dict) -> tuple[dict, str | None]:

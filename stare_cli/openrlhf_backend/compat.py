@@ -37,6 +37,12 @@ _NAMES = {
     # actor.py: the module of OpenRLHF's ``Actor``, whose forward calls ``compute_entropy`` by this module's global
     # name (the entropy bonus); ``use_chunked_entropy`` points that name at stare's chunked version
     "models_actor": ("openrlhf.models.actor", None),
+    # rollouts.py: the single-controller trainer (a Ray actor) that owns the SamplesGenerator, which draws the
+    # prompts and sends each to a vLLM engine; engine.py: the module of the rollout engine actor (``RolloutRayActor``,
+    # created by ``create_vllm_engines`` by this module's global name, which ``rollouts.register`` replaces)
+    "ppo_trainer": ("openrlhf.trainer.ppo_trainer", None),
+    "SamplesGenerator": ("openrlhf.trainer.ppo_utils.samples_generator", "SamplesGenerator"),
+    "vllm_engine": ("openrlhf.trainer.ray.vllm_engine", None),
     # agent/python_agent.py: the multi-turn agent's base classes
     "AgentInstanceBase": ("openrlhf.utils.agent", "AgentInstanceBase"),
     "MultiTurnAgentExecutor": ("openrlhf.utils.agent", "MultiTurnAgentExecutor"),

@@ -17,7 +17,8 @@ from urllib.parse import urlparse
 
 from stare.algorithms.token_rules import MODULES_ENV as TOKEN_RULE_MODULES_ENV
 from stare.eval.ray_attach import LOCAL_HEAD_CONFIG
-from .argv import DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SEED_ENV, SEED_HOOK, SETTINGS_ENV, build_launch
+from .argv import (DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SEED_ENV, SEED_HOOK, SEEDED_ROLLOUTS_ENV,
+                   SETTINGS_ENV, build_launch)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REWARD_FILE = PACKAGE_DIR / "reward.py"
@@ -25,10 +26,12 @@ AGENT_FILE = PACKAGE_DIR.parent / "agent" / "python_agent.py"
 
 WANDB_PLACEHOLDER = "${WANDB_API_KEY}"
 # variables the workers need; passed in the Ray runtime environment
-FORWARDED_ENV = (SETTINGS_ENV, REWARD_TIMEOUT_ENV, SEED_ENV, TOKEN_RULE_MODULES_ENV, "STARE_TOOL_MAX_TURNS", "STARE_TOOL_TIMEOUT_S",
-                 "STARE_TOOL_MEMORY_MB", "STARE_TOOL_MAX_OUTPUT_CHARS", "STARE_TOOL_FORMAT", "STARE_SANDBOX_ISOLATION",
+FORWARDED_ENV = (SETTINGS_ENV, REWARD_TIMEOUT_ENV, SEED_ENV, SEEDED_ROLLOUTS_ENV, TOKEN_RULE_MODULES_ENV,
+                 "STARE_TOOL_MAX_TURNS", "STARE_TOOL_TIMEOUT_S", "STARE_TOOL_MEMORY_MB", "STARE_TOOL_MAX_OUTPUT_CHARS",
+                 "STARE_TOOL_FORMAT", "STARE_SANDBOX_ISOLATION",
                  "TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "HF_HOME",
-                 "HF_TOKEN", "HF_HUB_OFFLINE", "WANDB_API_KEY")
+                 "HF_TOKEN", "HF_HUB_OFFLINE", "WANDB_API_KEY",
+                 "VLLM_BATCH_INVARIANT")  # vLLM's batch-invariant mode, for seeded rollouts on GPUs (docs: Resume)
 
 
 class LaunchError(RuntimeError):

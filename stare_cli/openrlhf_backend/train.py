@@ -83,7 +83,7 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         if resume:
             from .checkpoint import describe_resume
 
-            errors.plain(console)(describe_resume(out / "ckpt"))
+            errors.plain(console)(describe_resume(out / "ckpt", resolved["settings"].get("seeded_rollouts", True)))
         try:
             orl.start(resolved, launch_plan, log=errors.plain(console))
         except orl.LaunchError as exc:
