@@ -20,6 +20,8 @@ it (episode, global step, prompts consumed, whether the prompt loader ran dry); 
 the vLLM worker receive each weight sync but load nothing (the negative control of the weight-sync check).
 ``STARE_E2E_SYNC_LOG=FILE`` records both sides of every weight sync, bit for bit (``patch_sync_checksums``), and
 ``STARE_E2E_SYNC_SKIP_PARAM=NAME`` plants a sync that leaves one parameter out (what that record must catch).
+``STARE_E2E_ROLLOUT_LOG=FILE`` appends every step's rollouts, as the trainer is handed them, to FILE
+(``patch_rollout_log``: a checksum of each sample's tokens, in the order it trains on them).
 ``STARE_E2E_EXTRA_ARGS`` appends OpenRLHF flags that only a CPU run needs (argparse keeps the last value of a repeated
 flag). ``STARE_E2E_FP32_MATMUL=1`` makes the trainer's linear layers multiply in float32 (``patch_fp32_matmul``: speed
 only, for a real model on a CPU without bf16 instructions).
@@ -44,6 +46,7 @@ FAIL_ENV = "STARE_E2E_FAIL_RUN"  # ALGO:SEED: that run's driver fails at launch,
 SYNC_LOG_ENV = "STARE_E2E_SYNC_LOG"  # FILE: both sides of every weight sync append the checksum of every parameter
 FP32_MATMUL_ENV = "STARE_E2E_FP32_MATMUL"  # 1: the trainer's bf16 linear layers multiply in float32 (speed)
 SYNC_SKIP_ENV = "STARE_E2E_SYNC_SKIP_PARAM"  # NAME: the trainer leaves that parameter out of every sync (a planted bug)
+ROLLOUT_LOG_ENV = "STARE_E2E_ROLLOUT_LOG"  # FILE: every step's rollouts (checksums, in the trainer's order) appended
 HOLD_MESSAGE = "STARE e2e: holding after step {step}'s checkpoint"
 CRASH_EXIT_CODE = 17
 
@@ -282,6 +285,33 @@ def patch_sync_checksums(module) -> None:
     _record("sync-checksums")
 
 
+# ---- test hook: every step's rollouts ----------------------------------------------------------------------------
+def patch_rollout_log(module) -> None:
+    """``STARE_E2E_ROLLOUT_LOG=FILE``: OpenRLHF's trainer (``BasePPOTrainer.train_step``, in the trainer actor) appends,
+    before it makes the experiences of a step's rollouts, one JSON line to FILE: {"step": the global step they train,
+    "pid", "samples": [[prompt, SHA-256 of the sample's token ids (prompt and response, as vLLM returned them),
+    reward], ...]} in the order the trainer was handed them (the samples generator's). A run killed inside a step
+    has that step's line already; its resume writes the step again."""
+    path = os.environ.get(ROLLOUT_LOG_ENV)
+    if not path:
+        return
+    cls = module.BasePPOTrainer
+    _expect(cls.train_step, "make_experience_batch(rollout_samples)", "rollout-log")
+    original = cls.train_step
+
+    def train_step(self, rollout_samples, global_step):
+        import json
+
+        rows = [[s.prompts[0], checksum(s.sequences[0]), None if s.rewards is None else float(s.rewards[0])]
+                for s in rollout_samples]
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": global_step + 1, "pid": os.getpid(), "samples": rows}) + "\n")
+        return original(self, rollout_samples, global_step)
+
+    cls.train_step = train_step
+    _record("rollout-log")
+
+
 # ---- 7. flash_attn, imported at module level ---------------------------------------------------------------------
 def install_flash_attn_standins() -> None:
     """``flash_attn``, ``flash_attn.bert_padding`` and ``flash_attn.utils.distributed`` as import-only stand-ins
@@ -292,6 +322,54 @@ def install_flash_attn_standins() -> None:
 
     openrlhf_standins.install(openrlhf_standins.FLASH_ATTN_MODULES)
     _record("flash-attn")
+
+
+# ---- 8. vLLM CPU: a seeded request's discarded sample -------------------------------------------------------------
+def patch_cpu_seeded_rewind(module) -> None:
+    """Replaces how vLLM's model runner (``GPUModelRunner``, which vLLM's ``CPUModelRunner`` inherits) undoes the
+    random numbers a seeded request drew for a sample it discards (a prompt whose prefill the scheduler split over
+    steps samples a token after each chunk but the last, and drops it): ``_bookkeeping_sync`` moves the request's
+    generator back with ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA's Philox generator has; a CPU
+    generator raises "CPU Generator does not use offset" and kills the engine. That happens on the CPU whenever
+    seeded requests (stare's seeded rollouts) meet a split prefill: the resume runs' 64 prompts of about 45 tokens
+    exceed the CPU engine's 2,048-token step. Here ``_sample`` saves the state of every such request's CPU generator
+    before sampling and puts it back after (the same undo, exactly), and ``_bookkeeping_sync`` runs without those
+    generators in the batch's table, so that it has nothing to move. CUDA generators are left to vLLM."""
+    cls = module.GPUModelRunner
+    _expect(cls._bookkeeping_sync, "gen.set_offset(gen.get_offset() - 4)", "cpu-seeded-rewind")
+    _expect(cls._bookkeeping_sync, "discard_request_mask", "cpu-seeded-rewind")
+    _expect(cls._sample, "self.sampler(", "cpu-seeded-rewind")
+    original_sample, original_bookkeeping = cls._sample, cls._bookkeeping_sync
+
+    def _discarded_cpu_generators(self) -> dict:
+        import numpy as np
+
+        generators = self.input_batch.generators
+        found = {}
+        for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
+            gen = generators.get(int(i))
+            if gen is not None and gen.device.type == "cpu":
+                found[int(i)] = gen
+        return found
+
+    def _sample(self, logits, spec_decode_metadata):
+        saved = {i: (gen, gen.get_state()) for i, gen in _discarded_cpu_generators(self).items()}
+        try:
+            return original_sample(self, logits, spec_decode_metadata)
+        finally:
+            for gen, state in saved.values():
+                gen.set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        held = {i: generators.pop(i) for i in _discarded_cpu_generators(self)}
+        try:
+            return original_bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    cls._sample, cls._bookkeeping_sync = _sample, _bookkeeping_sync
+    _record("cpu-seeded-rewind")
 
 
 # ---- test hooks --------------------------------------------------------------------------------------------------
@@ -417,18 +495,20 @@ def patch_fp32_matmul(module) -> None:
 PATCHES = {
     "torch": patch_torch_cuda,
     "vllm.v1.attention.backends.cpu_attn": patch_vllm_cpu_attn,
+    "vllm.v1.worker.gpu_model_runner": patch_cpu_seeded_rewind,
     "openrlhf.trainer.ppo_utils.replay_buffer": patch_replay_buffer,
     "openrlhf.utils.deepspeed.deepspeed": patch_device_mesh,
     "openrlhf.utils.distributed_util": patch_sync_group,
     "openrlhf.trainer.ray.vllm_worker_wrap": patch_worker_update_weight,
     "openrlhf.trainer.ray.ppo_actor": patch_sync_checksums,
+    "openrlhf.trainer.ppo_trainer": patch_rollout_log,
     "deepspeed.runtime.zero.partition_parameters": patch_fp32_matmul,
     "stare.cli.openrlhf_backend.actor": patch_trainer_crash,
     "stare.cli.openrlhf_backend.launch": patch_extra_args,
 }
-# the seven patches of the CPU run (the test hooks are not counted)
+# the eight patches of the CPU run (the test hooks are not counted)
 CPU_PATCHES = ("torch-cuda", "vllm-amx", "replay-buffer", "device-mesh", "sync-group", "worker-update-weight",
-               "flash-attn")
+               "flash-attn", "cpu-seeded-rewind")
 
 
 class _PatchingLoader(importlib.abc.Loader):
