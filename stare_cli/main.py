@@ -456,16 +456,20 @@ def compare(
     baseline: Optional[str] = typer.Option(
         None, "--baseline", help="The arm every other arm's seeds are tested against (95% intervals, exact "
         "permutation p-values): an algorithm (the first arm of it), an arm's label as the table prints it, or its "
-        "folder, e.g. --baseline runs/smollm-seeds-gate-off/stare. Default: dapo, when there is one."),
+        "folder, e.g. --baseline runs/smollm-seeds-gate-off/stare. Default: dapo, else grpo, else the first arm "
+        "(the table's notes say which)."),
 ) -> None:
     """Compare training runs and evaluations: comparison.md/.csv and entropy, reward, response-length and
     reflection plots against training step (one line per run, the target band shaded). Missing pieces are
-    blank, never invented."""
+    blank, never invented. Runs that differ in more than algorithm and seed (steps, a setting, the preset) are
+    compared with a warning (on stderr and in the table's notes)."""
     from .report.compare import compare as run_compare
 
     errors.check_out_dir(out)
     try:
-        rows = run_compare(list(dirs), out, baseline=baseline)
+        rows = run_compare(list(dirs), out, baseline=baseline,
+                           warn=lambda line: errors.err_console.print(f"warning: {line}", markup=False,
+                                                                      highlight=False, soft_wrap=True))
     except ValueError as exc:
         fail(str(exc))
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)

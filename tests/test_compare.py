@@ -236,3 +236,114 @@ def test_a_baseline_that_names_no_arm_is_one_line_and_writes_nothing(tmp_path):
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "--baseline 'grpo'" in lines[0] and "the arms are: dapo" in lines[0]
     assert not (tmp_path / "cmp").exists()
+
+
+# issue 58 item 6: a baseline without dapo, intervals inside the measure's range, a warning for unlike runs
+
+def _brute_p_higher(x, y):
+    """One-sided exact permutation p: the share of the splits of x + y whose first len(x) values sum to at least
+    x's sum."""
+    import itertools
+
+    pool, observed = x + y, sum(x)
+    splits = list(itertools.combinations(range(len(pool)), len(x)))
+    return sum(sum(pool[i] for i in s) >= observed - 1e-12 for s in splits) / len(splits)
+
+
+@pytest.mark.parametrize("arms, baseline", [({"grpo": [0.10, 0.12, 0.14], "stare-phi": [0.35, 0.40, 0.38]}, "grpo"),
+                                            ({"stare-phi": [0.35, 0.40, 0.38], "stare": [0.10, 0.12, 0.14]}, "stare")])
+def test_without_a_dapo_arm_the_tests_use_grpo_else_the_first_arm_and_say_so(tmp_path, arms, baseline):
+    """`--algos grpo,stare-phi`: the p columns were blank with no note. grpo when there is one, else the first arm in
+    the registry's order (stare before stare-phi); the p-values against a brute-force count."""
+    for algo, values in arms.items():
+        _seeded_runs(tmp_path, algo, values)
+    res = stare("compare", str(tmp_path / "grpo" if "grpo" in arms else tmp_path / "stare"),
+                str(tmp_path / "stare-phi"), "--out", str(tmp_path / "cmp"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert summary["baseline"] == baseline
+    rows = {r["label"]: r for r in summary["seed_tests"]}
+    assert rows["stare-phi"]["late_entropy"]["p_higher"] == pytest.approx(
+        _brute_p_higher(arms["stare-phi"], arms[baseline])) == pytest.approx(1 / 20)
+    assert rows[baseline]["late_entropy"]["p_higher"] is None
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert f"p late H > {baseline}" in md and "| 0.050 |" in md
+    assert f"- Baseline of the tests: {baseline} (there is no dapo arm; --baseline names another)." in md
+    # with dapo there, dapo it is, and no such note
+    _seeded_runs(tmp_path, "dapo", [0.2, 0.21, 0.22])
+    compare([tmp_path], tmp_path / "cmp2")
+    assert json.loads((tmp_path / "cmp2" / "comparison.json").read_text())["baseline"] == "dapo"
+    assert "Baseline of the tests" not in (tmp_path / "cmp2" / "comparison.md").read_text()
+
+
+def test_seed_intervals_stay_inside_the_measures_range(tmp_path):
+    """A late entropy near 0 and a band share near 1 over three seeds: the t interval (4.303 s / sqrt 3 about the
+    mean, computed here) crosses 0 and 1; the table's is clipped to [0, inf) and [0, 1]."""
+    import statistics
+
+    late = [0.0, 0.01, 0.12]  # the last 25% of 20 steps: steps 16-20
+    for seed, h in enumerate(late):
+        path = tmp_path / "grpo" / f"seed{seed}"
+        make_run(path, "grpo", [0.8] * 15 + [h] * 5)
+        cfg = yaml.safe_load((path / "config.yaml").read_text())
+        cfg["settings"]["seed"] = seed
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    band = [1.0, 1.0, 0.6]  # in the band [0.3, 0.45] at 5, 5 and 3 of the last 5 steps
+    for seed, share in enumerate(band):
+        inside = round(share * 5)
+        path = tmp_path / "stare-phi" / f"seed{seed}"
+        make_run(path, "stare-phi", [0.8] * 15 + [0.4] * inside + [0.9] * (5 - inside))
+        cfg = yaml.safe_load((path / "config.yaml").read_text())
+        cfg["settings"]["seed"] = seed
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    compare([tmp_path / "grpo", tmp_path / "stare-phi"], tmp_path / "cmp")
+    summary = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    rows = {r["label"]: r for r in summary["seed_tests"]}
+
+    def t(values):
+        half = 4.303 * statistics.stdev(values) / math.sqrt(3)
+        return statistics.mean(values) - half, statistics.mean(values) + half
+
+    lo, hi = t(late)
+    assert lo < 0 and rows["grpo"]["late_entropy"]["ci95"] == pytest.approx([0.0, hi], rel=1e-6)
+    lo, hi = t(band)
+    assert hi > 1 and rows["stare-phi"]["band_share"]["ci95"] == pytest.approx([lo, 1.0], rel=1e-6)
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert f"[0.000, {t(late)[1]:.3f}]" in md and "clipped to the measure's range" in md
+
+
+def test_t_interval_bounds_by_hand():
+    from stare.cli.report.seeds import measure_range, t_interval
+
+    assert t_interval([0.9, 1.0], measure_range("avg_at_k")) == pytest.approx(
+        (0.95 - 12.706 * math.sqrt(0.005) / math.sqrt(2), 1.0))
+    assert measure_range("aime25_avg_at_k") == (0.0, 1.0) and measure_range("final_reward") == (None, None)
+    assert t_interval([0.9, 1.0])[1] > 1  # no bounds: the plain t interval
+
+
+def test_runs_that_differ_in_steps_or_settings_are_compared_with_a_warning(tmp_path):
+    """A 200-step arm and an 80-step arm were p-tested together with no word; now a warning on stderr and in the
+    notes names the keys and values. Runs that differ only in algorithm and seed get none."""
+    for algo, steps in (("dapo", 200), ("stare-phi", 80)):
+        for seed in range(2):
+            path = tmp_path / algo / f"seed{seed}"
+            make_run(path, algo, [0.5] * 20)
+            cfg = yaml.safe_load((path / "config.yaml").read_text())
+            cfg["settings"].update({"seed": seed, "steps": steps, "lr": 1e-3})
+            (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = stare("compare", str(tmp_path / "dapo"), str(tmp_path / "stare-phi"), "--out", str(tmp_path / "cmp"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = ("the compared runs differ in more than algorithm and seed (steps 200, 80): their intervals and "
+            "p-values set runs trained differently side by side")
+    assert [x for x in res.stderr.splitlines() if x.strip()] == [f"warning: {want}"]
+    assert f"- Warning: {want}." in (tmp_path / "cmp" / "comparison.md").read_text()
+    assert json.loads((tmp_path / "cmp" / "comparison.json").read_text())["warnings"] == [want]
+    # the same steps: no warning
+    for seed in range(2):
+        cfg_path = tmp_path / "stare-phi" / f"seed{seed}" / "config.yaml"
+        cfg = yaml.safe_load(cfg_path.read_text())
+        cfg["settings"]["steps"] = 200
+        cfg_path.write_text(yaml.safe_dump(cfg))
+    res = stare("compare", str(tmp_path / "dapo"), str(tmp_path / "stare-phi"), "--out", str(tmp_path / "cmp2"))
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+    assert json.loads((tmp_path / "cmp2" / "comparison.json").read_text())["warnings"] == []

@@ -63,11 +63,13 @@ def _evaluated_run(summary: dict, roots: dict[Path, int]) -> int | None:
     return None
 
 
-def compare(paths: list[Path], out: Path, baseline: str | None = None, notes: list[str] = ()) -> list[dict]:
+def compare(paths: list[Path], out: Path, baseline: str | None = None, notes: list[str] = (),
+            warn=None) -> list[dict]:
     """Write the comparison of ``paths`` in ``out``; returns the table's rows (arms, then standalone evals).
     ``baseline``: the arm the seed tests compare against (an arm's label, its folder or an algorithm; default
-    dapo, when there is one); a ``baseline`` that names no arm is a ValueError before anything is written. ``notes``:
-    lines added to the table's notes (``stare run``'s failed steps)."""
+    dapo's arm, else grpo's, else the first, said in the notes); a ``baseline`` that names no arm is a ValueError
+    before anything is written. ``notes``: lines added to the table's notes (``stare run``'s failed steps). Each of
+    the comparison's ``warnings`` (runs that differ in more than algorithm and seed) goes to ``warn`` too."""
     run_dirs, eval_dirs = collect(paths)
     runs, roots = [], {}
     for d in dict.fromkeys(run_dirs):  # a folder named twice is one run
@@ -88,8 +90,10 @@ def compare(paths: list[Path], out: Path, baseline: str | None = None, notes: li
             standalone.append(summary)
         else:  # an evaluation of a run's final model joins that run's row
             runs[owner] = replace(runs[owner], evals={**runs[owner].evals, summary["bench"]: summary})
-    summary = write_comparison(out, runs, evals=standalone, baseline="dapo" if baseline is None else baseline,
-                               require_baseline=baseline is not None, notes=notes)
+    summary = write_comparison(out, runs, evals=standalone, baseline=baseline, require_baseline=baseline is not None,
+                               notes=notes)
+    for line in summary["warnings"] if warn is not None else ():
+        warn(line)
     if runs:
         plot_curves(out, runs, CURVES + (REFLECTION_CURVE,))
         plot_accuracy(out, runs)  # accuracy.png, when a run has an accuracy-over-training curve

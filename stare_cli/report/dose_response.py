@@ -41,7 +41,7 @@ def build(arms: list[dict], groups: list) -> list[dict]:
     in the same order. Each series: {"algo", "key", "fixed" (the other swept keys' values), "measures" ([name,
     header]), "rows" (per value: "value", "label", "n_seeds", and per measure "mean", "ci95", "n"), "trend" (per
     measure: spearman_trend's dict, or None)}."""
-    from .seeds import t_interval
+    from .seeds import measure_range, t_interval
 
     series: dict[tuple, dict] = {}
     for arm, group in zip(arms, groups):
@@ -68,7 +68,8 @@ def build(arms: list[dict], groups: list) -> list[dict]:
             row = {"value": value, "label": arm["label"], "n_seeds": arm["n_seeds"]}
             for m, _ in names:
                 vals = [r[m] for r in runs if r.get(m) is not None]
-                row[m] = {"mean": sum(vals) / len(vals) if vals else None, "ci95": t_interval(vals), "n": len(vals)}
+                row[m] = {"mean": sum(vals) / len(vals) if vals else None, "ci95": t_interval(vals, measure_range(m)),
+                          "n": len(vals)}
             rows.append(row)
         for m, _ in names:
             pairs = [(value, r[m]) for value, _, runs in s["arms"] for r in runs if r.get(m) is not None]
@@ -113,7 +114,8 @@ def markdown(series: list[dict], kk: str) -> list[str]:
                                                     for _, t in trends) + " |",
                    "| runs | " + " | ".join(str(t["n"]) for _, t in trends) + " |"]
         md.append("")
-    md += ["Per value: mean [95% interval of the mean over seeds, t]. Trend: Spearman's rho of the per-run values "
+    md += ["Per value: mean [95% interval of the mean over seeds, t, clipped to the measure's range: [0, 1] for "
+           "avg@k and band share, >= 0 for entropy]. Trend: Spearman's rho of the per-run values "
            "against the swept value over seeds x values, and the permutation p of |rho| (every split of the "
            "values over the runs enumerated up to 200000, else 200000 sampled: marked). A blank trend: the "
            "values are not numbers, or a measure took one value."]

@@ -1,5 +1,5 @@
-"""Statistics over seeds: the 95% t interval of a mean over seeds, and the seed table's one-sided exact permutation
-tests of each arm's per-seed values against the baseline arm's."""
+"""Statistics over seeds: the 95% t interval of a mean over seeds (clipped to the measure's range), the baseline
+arm, and the seed table's one-sided exact permutation tests of each arm's per-seed values against the baseline's."""
 from __future__ import annotations
 
 import math
@@ -14,19 +14,52 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 SEED_MEASURES = (("avg_at_k", "avg@k"), ("late_entropy", "late H"), ("band_share", "band share"))
 
 
-def t_interval(values: list[float]) -> tuple[float, float] | None:
-    """The 95% interval of the mean over seeds, mean -+ t(0.975, n - 1) s / sqrt(n); None under two values."""
+# the values a measure can take, (low, high), None for no bound on that side: an interval of its mean is clipped to
+# them (a share or an accuracy lies in [0, 1], an entropy is >= 0); a benchmark's avg@k ("<bench>_avg_at_k") too
+MEASURE_RANGE = {"avg_at_k": (0.0, 1.0), "pass_at_k": (0.0, 1.0), "greedy_accuracy": (0.0, 1.0),
+                 "band_share": (0.0, 1.0), "late_entropy": (0.0, None), "start_entropy": (0.0, None)}
+
+
+def measure_range(measure: str) -> tuple[float | None, float | None]:
+    """``MEASURE_RANGE`` of ``measure`` (a benchmark's ``<bench>_avg_at_k`` as avg@k); (None, None) when unknown."""
+    if measure.endswith("_avg_at_k"):
+        measure = "avg_at_k"
+    return MEASURE_RANGE.get(measure, (None, None))
+
+
+def t_interval(values: list[float], bounds: tuple[float | None, float | None] = (None, None)
+               ) -> tuple[float, float] | None:
+    """The 95% interval of the mean over seeds, mean -+ t(0.975, n - 1) s / sqrt(n), clipped to ``bounds`` (the
+    measure's range, ``measure_range``: the mean lies in it, so the clipped interval covers it as often as the
+    t interval does); None under two values."""
     n = len(values)
     if n < 2:
         return None
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
-    return mean - half, mean + half
+    low, high = bounds
+    return (mean - half if low is None else max(low, mean - half),
+            mean + half if high is None else min(high, mean + half))
 
 
 def _seed_values(arm: dict, measure: str) -> list[float]:
     return [p[measure] for p in arm["runs"] if p.get(measure) is not None]
+
+
+DEFAULT_BASELINES = ("dapo", "grpo")  # the baseline when none is named: the first of these with an arm, else the first arm
+
+
+def default_baseline(arms: list[dict]) -> dict | None:
+    """The arm the tests compare against when ``--baseline`` is not given: dapo's, else grpo's (the first arm of
+    each), else the first arm; None with fewer than two arms (nothing to test)."""
+    if len(arms) < 2:
+        return None
+    for algo in DEFAULT_BASELINES:
+        found = next((a for a in arms if a["arm"] == algo), None)
+        if found is not None:
+            return found
+    return arms[0]
 
 
 def find_baseline(arms: list[dict], baseline: str) -> dict | None:
@@ -50,7 +83,7 @@ def seed_tests(arms: list[dict], base: dict | None) -> list[dict]:
         row = {"label": arm["label"], "n_seeds": arm["n_seeds"]}
         for measure, _ in SEED_MEASURES:
             vals = _seed_values(arm, measure)
-            row[measure] = {"ci95": t_interval(vals), "p_higher": None, "p_lower": None}
+            row[measure] = {"ci95": t_interval(vals, measure_range(measure)), "p_higher": None, "p_lower": None}
             if base is not None and arm is not base:
                 ref = _seed_values(base, measure)
                 if len(vals) >= 2 and len(ref) >= 2:

@@ -37,7 +37,29 @@ from . import dose_response
 from .arms import arm_labels, arm_sweep, common, group_arms, reference_band
 from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, Run, aggregate, common_k, held_out, ordered_benches, run_band,
                    summarise_arm, summarise_benches)
-from .seeds import SEED_MEASURES, find_baseline, seed_tests
+from .seeds import DEFAULT_BASELINES, SEED_MEASURES, default_baseline, find_baseline, seed_tests
+
+# what runs may differ in and still be compared as like for like: the seed (the arms' replicates), and what a resume
+# may change (rundir.RESUMABLE_CHANGES: where it computes, what stare run does around it, which policies it keeps)
+_NOT_COMPARED = ("seed", "device", "ray_dashboard", "keep_checkpoint_every", "algos", "seeds", "benches",
+                 "eval_protocol")
+
+
+def setting_differences(runs: list[Run], groups: list[list[Run]]) -> list[tuple[str, list]]:
+    """(key, its distinct values) for the preset and every run setting on which the runs differ, in key order:
+    steps, a learning rate, a task. The seed, what a resume may change (``_NOT_COMPARED``) and a swept arm's swept
+    keys (``stare run --sweep``: they differ by design) are not counted; runs without settings (OpenRLHF logs
+    without a config.yaml) are left out."""
+    swept = {key for g in groups for key in ((arm_sweep(g) or ("", {}))[1])}
+    configs = [r.config for r in runs if r.config.get("settings")]
+    keys = {"preset"} | {k for c in configs for k in c["settings"]}
+    out = []
+    for key in sorted(keys - set(_NOT_COMPARED) - swept):
+        values = [c.get("preset") if key == "preset" else c["settings"].get(key) for c in configs]
+        distinct = list(dict.fromkeys(json.dumps(v, sort_keys=True, default=str) for v in values))
+        if len(distinct) > 1:
+            out.append((key, [json.loads(v) for v in distinct]))
+    return out
 
 
 def _warmstart(runs: list[Run], k: int | None) -> dict | None:
@@ -134,8 +156,9 @@ def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
     for _, header in SEED_MEASURES:
         header = header.replace("@k", f"@{kk}")
         titles += [f"{header} 95% interval", f"p {header} > {baseline}", f"p {header} < {baseline}"]
-    md = ["", "Over seeds: each measure's 95% interval of the mean (t, from the sample std), and one-sided exact "
-          f"permutation tests of the per-seed values against {baseline} (p > : this arm higher; p < : lower).", "",
+    md = ["", "Over seeds: each measure's 95% interval of the mean (t, from the sample std, clipped to the "
+          "measure's range: [0, 1] for avg@k and band share, >= 0 for late H), and one-sided exact permutation tests "
+          f"of the per-seed values against {baseline} (p > : this arm higher; p < : lower).", "",
           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for r in rows:
         cells = [r["label"], str(r["n_seeds"])]
@@ -146,6 +169,9 @@ def _seed_md(rows: list[dict], baseline: str, kk: str) -> list[str]:
                       _fmt_p(c["p_lower"])]
         md.append("| " + " | ".join(cells) + " |")
     return md
+
+
+DEFAULT_BASELINE = DEFAULT_BASELINES[0]
 
 
 @dataclass
@@ -172,7 +198,7 @@ def _pooled_cell(m, bench_cells: dict) -> dict | None:
     return next((c[m.compare_name] for c in bench_cells.values() if c[m.compare_name]["n"]), None)
 
 
-def build_comparison(runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
+def build_comparison(runs: list[Run], *, baseline: str | None = None, evals: list[dict] = (),
                      require_baseline: bool = False, notes: list[str] = ()) -> Comparison:
     """The comparison as data, before any file is written; the arguments are ``write_comparison``'s."""
     if not runs and not evals:
@@ -194,10 +220,25 @@ def build_comparison(runs: list[Run], *, baseline: str = "dapo", evals: list[dic
     settings = [r.config.get("settings") or {} for r in runs]
     band = reference_band(runs)
     has_hard = any(a["metrics"]["hard_pass_at_k"]["n"] or a["metrics"]["hard_avg_at_k"]["n"] for a in arms)
-    base = find_baseline(arms, baseline)
+    notes = list(notes)
+    if baseline is None:  # dapo, else grpo, else the first arm (default_baseline), said in the notes
+        base = default_baseline(arms)
+        baseline = base["label"] if base is not None else DEFAULT_BASELINE
+        if base is not None and base["arm"] != DEFAULT_BASELINE:
+            notes.append(f"Baseline of the tests: {baseline} (there is no {DEFAULT_BASELINE} arm; --baseline names "
+                         "another).")
+    else:
+        base = find_baseline(arms, baseline)
     if base is None and require_baseline:
         raise ValueError(f"--baseline {baseline!r}: no arm of that name, label or folder here; the arms are: "
                          + ", ".join(a["label"] for a in arms))
+    differences = setting_differences(runs, groups)
+    warnings = []
+    if differences:
+        said = "; ".join(f"{key} " + ", ".join(map(str, values)) for key, values in differences)
+        warnings.append(f"the compared runs differ in more than algorithm and seed ({said}): their intervals and "
+                        "p-values set runs trained differently side by side")
+    notes += [f"Warning: {w}." for w in warnings]
     test_name = f"one-sided exact permutation test on per-seed hard-case pass@k vs {baseline}"
 
     # p-values: each arm's per-seed hard pass@k against the baseline's
@@ -212,7 +253,6 @@ def build_comparison(runs: list[Run], *, baseline: str = "dapo", evals: list[dic
             tested_sizes.add((len(hard_pass(arm)), len(hard_pass(base))))
     show_p = has_hard and base is not None
 
-    notes = list(notes)
     if tested_sizes:
         smallest = ", ".join(f"{1 / math.comb(na + nb, na):.3g} for {na} vs {nb} seeds"
                              for na, nb in sorted(tested_sizes))
@@ -238,6 +278,7 @@ def build_comparison(runs: list[Run], *, baseline: str = "dapo", evals: list[dic
         "band": list(band) if band else None,
         "baseline": baseline,
         "test": test_name if tested_sizes else None,
+        "warnings": warnings,
         "warmstart": _warmstart(runs, k),
         "arms": arms,
         "evals": eval_rows,
@@ -372,7 +413,7 @@ def write_comparison_csv(comp: Comparison, path: Path) -> None:
             writer.writerow(cells)
 
 
-def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals: list[dict] = (),
+def write_comparison(out_dir, runs: list[Run], *, baseline: str | None = None, evals: list[dict] = (),
                      require_baseline: bool = False, notes: list[str] = ()) -> dict:
     """Write comparison.md, comparison.csv and comparison.json in ``out_dir``; returns the summary dict.
 
@@ -380,9 +421,11 @@ def write_comparison(out_dir, runs: list[Run], *, baseline: str = "dapo", evals:
     belong to none of the runs (one row per model). The rows and columns are those of the module docstring. The
     seed table, and with hard-case results each arm's per-seed hard pass@k, are tested against ``baseline``
     (``find_baseline``: an arm's label, its folder or an algorithm; one-sided exact permutation tests, both arms
-    with two seeds or more). With ``require_baseline`` a ``baseline`` that names no arm is a ValueError listing the
+    with two seeds or more); None: dapo's arm, else grpo's, else the first (``default_baseline``; a note says which
+    when it is not dapo). With ``require_baseline`` a ``baseline`` that names no arm is a ValueError listing the
     arms, raised before anything is written; without it the tables simply have no p-values. ``notes``: lines the
-    caller adds to the table's notes (first).
+    caller adds to the table's notes (first). Runs that differ in more than algorithm and seed
+    (``setting_differences``) get a warning in the notes and in comparison.json's ``warnings``.
     """
     comp = build_comparison(runs, baseline=baseline, evals=evals, require_baseline=require_baseline, notes=notes)
     out_dir = Path(out_dir)
