@@ -166,8 +166,15 @@ def run_env(run: Run, work: Path) -> dict:
     env = loop_env.loop_env(ENV_DIR, gpus=run.gpus, ray_tmpdir=ray_tmpdir(run), patch_log=work / "patches.log",
                             positions=positions_file(run, work), extra_flags=run.extra_flags)
     env[patches.SYNC_LOG_ENV] = str(sync_log(run, work))
+    env[patches.ROLLOUT_LOG_ENV] = str(rollout_log(run.name, work))
     env.update(run.env)
     return env
+
+
+def rollout_log(run_name: str, work: Path) -> Path:
+    """Where the run's trainer records every step's rollouts (patches.patch_rollout_log; both parts of a killed
+    run)."""
+    return work / f"{run_name}.rollouts.jsonl"
 
 
 def sync_log(run: Run, work: Path) -> Path:
@@ -594,11 +601,11 @@ def check_every_step(name: str, out: Path, log: str, n_steps: int, fail) -> None
 
 
 def test_every_cpu_patch_applied(results, work):
-    """All seven CPU patches ran (each in at least one process of some run), and none failed to apply."""
+    """All eight CPU patches ran (each in at least one process of some run), and none failed to apply."""
     lines = (work / "patches.log").read_text().split()
     applied = set(lines[0::2])
     assert set(patches.CPU_PATCHES) <= applied, f"never applied: {sorted(set(patches.CPU_PATCHES) - applied)}"
-    assert {"trainer-crash", "extra-args", "sync-checksums"} <= applied
+    assert {"trainer-crash", "extra-args", "sync-checksums", "rollout-log"} <= applied
     for name, r in results.items():
         logs = r.logs if isinstance(r, RunSetResult) else [r.log]
         assert not any("PatchDoesNotApply" in log for log in logs), f"{name}: a patch did not apply"
@@ -835,8 +842,9 @@ def test_resume_takes_exactly_the_uninterrupted_runs_steps(results, work, name):
     """Killed at an episode's end (after step 2's checkpoint) or inside an episode (step 2's rollouts generated but
     not trained, so step 1's checkpoint is the last) and resumed, the run takes exactly the uninterrupted run's
     steps, with dynamic filtering on: the same global steps and no more, the same learning rate at each, the same
-    episode and prompts consumed at every checkpoint, the same gate, W and M. Rollouts a kill lost are drawn anew
-    from the same prompts (the loader's saved position), not restored."""
+    episode and prompts consumed at every checkpoint, the same gate, W and M. Rollouts a kill lost are drawn again
+    from the same prompts (the loader's saved position) with the same seeds, not restored (the tests below check
+    that they, and everything after them, are the uninterrupted run's bit for bit)."""
     resumed = ok(results, f"{name}-resume")
     whole = ok(results, "stare")
     last, _ = KILLS[name]
@@ -850,6 +858,84 @@ def test_resume_takes_exactly_the_uninterrupted_runs_steps(results, work, name):
         assert set(got.get(tag, {})) == {1, 2, 3, 4}, (tag, got.get(tag))
     for tag in ("train/actor_lr", "train/stare/gate_on", "train/stare/w", "train/stare/m"):
         assert got[tag] == want[tag], (tag, got[tag], want[tag])
+
+
+def rollouts(run_name: str, work: Path) -> list[dict]:
+    """The run's rollout records in the order they were written (both parts of a killed run): {"step", "pid",
+    "samples": [[prompt, sha256 of the tokens, reward], ...]}."""
+    path = rollout_log(run_name, work)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# what a timer measures, not what the run computes (train/timing/*: seconds of each phase)
+WALL_CLOCK_TAGS = ("train/timing/",)
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_a_resumed_run_samples_the_very_rollouts_of_the_uninterrupted_one(results, work, name):
+    """Seeded rollouts (the default): the killed run and its resume are the uninterrupted run `stare` with the same
+    seed, so every step's rollouts are its rollouts: in the order the trainer was handed them, the same prompts, the
+    same token ids bit for bit (SHA-256 of each sample's prompt and response tokens) and the same rewards; the
+    killed-mid run's step 2 twice so, sampled before the kill and again after the resume (a new engine process, its
+    weights loaded from step 1's checkpoint). Each step is the groups of its prompts, 32 samples each, and no group
+    is 32 copies of one answer (every sample has a seed of its own)."""
+    ok(results, f"{name}-resume")
+    whole, got = rollouts("stare", work), rollouts(name, work)
+    assert [r["step"] for r in whole] == [1, 2, 3, 4], [r["step"] for r in whole]
+    want_steps = [1, 2, 3, 4] if KILLS[name][0] == 2 else [1, 2, 2, 3, 4]  # killed-mid: step 2 before and after
+    assert [r["step"] for r in got] == want_steps, [r["step"] for r in got]
+    assert len({r["pid"] for r in got}) == 2  # two trainer processes: the killed one and the resumed one
+    by_step = {r["step"]: r["samples"] for r in whole}
+    for record in got:
+        step, samples = record["step"], record["samples"]
+        differ = [i for i, (a, b) in enumerate(zip(samples, by_step[step])) if a != b]
+        assert len(samples) == len(by_step[step]) and not differ, \
+            (name, step, len(samples), len(by_step[step]), differ[:5], [samples[i] for i in differ[:2]],
+             [by_step[step][i] for i in differ[:2]])
+    for step, samples in by_step.items():
+        groups = [samples[i: i + 32] for i in range(0, len(samples), 32)]
+        assert len(samples) % 32 == 0 and all(len({p for p, _, _ in g}) == 1 for g in groups), step
+        assert len({g[0][0] for g in groups}) == len(groups), step  # each prompt once in a step
+        assert all(len({h for _, h, _ in g}) > 1 for g in groups), step
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_a_resumed_run_logs_the_uninterrupted_runs_scalars_bit_for_bit(results, name):
+    """With the same rollouts the same training: every TensorBoard scalar of the killed run and its resume (the loss,
+    the reward, the KL, the entropy and all of STARE's telemetry, the learning rate, the gradient norm...) equals
+    the uninterrupted run's at every step, bit for bit (float32 as TensorBoard keeps them), the wall-clock timings
+    (train/timing/*) excepted."""
+    resumed, whole = ok(results, f"{name}-resume"), ok(results, "stare")
+    got, want = scalars(resumed.out), scalars(whole.out)
+    tags = sorted(t for t in want if not t.startswith(WALL_CLOCK_TAGS))
+    assert sorted(t for t in got if not t.startswith(WALL_CLOCK_TAGS)) == tags
+    assert len(tags) > 30 and "train/policy_loss" in tags and "train/stare/entropy" in tags, tags
+    differ = {t: (got[t], want[t]) for t in tags if got[t] != want[t]}
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights_bit_for_bit(results, name):
+    """And the same model: every tensor of the killed-and-resumed run's final/ safetensors has the bytes of the
+    uninterrupted run's (SHA-256), and the training moved them from the initial model's."""
+    from safetensors import safe_open
+
+    resumed, whole = ok(results, f"{name}-resume"), ok(results, "stare")
+
+    def tensors(folder: Path) -> dict[str, str]:
+        files = sorted(folder.glob("*.safetensors"))
+        assert files, f"no safetensors in {folder}"
+        out = {}
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                out.update({key: patches.checksum(f.get_tensor(key)) for key in f.keys()})
+        return out
+
+    got, want = tensors(resumed.out / "final"), tensors(whole.out / "final")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if got[k] != want[k]] == []
+    initial = tensors(resumed.out.parent / "model")
+    assert sum(want[k] != initial.get(k) for k in want) >= len(want) // 2
 
 
 def test_controller_state_files_follow_openrlhfs_checkpoints(results):
@@ -918,7 +1004,8 @@ def test_each_cpu_patch_applies_to_the_installed_packages(tmp_path):
     log = tmp_path / "patches.log"
     code = ("import torch, openrlhf_cpu_patches as p, openrlhf.utils.deepspeed.deepspeed, "
             "openrlhf.trainer.ppo_utils.replay_buffer, openrlhf.trainer.ray.vllm_worker_wrap, "
-            "openrlhf.trainer.ppo_trainer, vllm.v1.attention.backends.cpu_attn, stare.cli.openrlhf_backend.actor, "
+            "openrlhf.trainer.ppo_trainer, vllm.v1.attention.backends.cpu_attn, vllm.v1.worker.gpu_model_runner, "
+            "stare.cli.openrlhf_backend.actor, "
             "stare.cli.openrlhf_backend.launch\n"
             "from openrlhf.utils import distributed_util as d\n"
             "assert torch.cuda.current_device() == 'cpu' and isinstance(d.stateless_init_process_group("
