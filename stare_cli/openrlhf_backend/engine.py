@@ -1,7 +1,7 @@
 """The rollout engine's half of seeded rollouts (``rollouts``): OpenRLHF's vLLM engine actor with one more method,
 ``generate_seeded_responses``, which generates a prompt's group with a seed of its own for every sample.
 
-OpenRLHF 0.11.2's ``RolloutRayActor.generate_responses`` (openrlhf/trainer/ray/vllm_engine.py) runs a prompt's n
+The pinned OpenRLHF's ``RolloutRayActor.generate_responses`` (openrlhf/trainer/ray/vllm_engine.py) runs a prompt's n
 samples as n vLLM requests, each with a copy of the one ``SamplingParams`` it was sent, so a seed put into those
 params would give all n samples the same tokens. ``generate_seeded_responses`` is sent the group's seed and gives
 sample i the seed ``seeds.sample_seed(seed, i)`` (``seed + i``: vLLM's own rule for the n samples of one request with

@@ -1,7 +1,7 @@
 """Seeded rollouts: with one seed a run samples the same rollouts, and a resumed run the very rollouts of the run
 that was never stopped (on the same engine; docs/openrlhf-backend.md, "Resume", says what that covers).
 
-OpenRLHF 0.11.2's ``SamplesGenerator`` (openrlhf/trainer/ppo_utils/samples_generator.py), which lives in the trainer
+The pinned OpenRLHF's ``SamplesGenerator`` (openrlhf/trainer/ppo_utils/samples_generator.py), which lives in the trainer
 actor (the Ray actor ``PPOTrainer``, openrlhf/trainer/ppo_trainer.py), sends every prompt of a step to a vLLM engine
 with one unseeded ``SamplingParams`` (``_dispatch_prompts_to_vllm``), chooses the engine by its pending load, and
 takes the groups back in the order they finish (``_generate_vllm``: ``ray.wait(..., num_returns=1)``; dynamic
