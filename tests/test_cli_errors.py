@@ -510,7 +510,7 @@ def test_a_write_refused_by_the_file_system_later_is_one_line(tmp_path, monkeypa
 
     target = tmp_path / "cmp" / "comparison.md"
 
-    def refuse(dirs, out, baseline=None):  # the signature of stare.cli.report.compare.compare
+    def refuse(dirs, out, baseline=None, warn=None):  # the signature of stare.cli.report.compare.compare
         raise OSError(errno_.EROFS, "Read-only file system", str(target))
 
     monkeypatch.setattr(compare_mod, "compare", refuse)
