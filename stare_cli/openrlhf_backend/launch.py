@@ -13,10 +13,9 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from urllib.parse import urlparse
 
 from stare.algorithms.token_rules import MODULES_ENV as TOKEN_RULE_MODULES_ENV
-from stare.eval.ray_attach import LOCAL_HEAD_CONFIG
+from stare.eval.ray_attach import LOCAL_HEAD_CONFIG, host_port
 from .argv import (DASHBOARD_ENV, PROMPT_FILE, REWARD_TIMEOUT_ENV, SEED_ENV, SEED_HOOK, SEEDED_ROLLOUTS_ENV,
                    SETTINGS_ENV, build_launch)
 
@@ -57,14 +56,10 @@ def check_address_syntax(address: str) -> tuple[str, int] | None:
     """``(host, port)`` of a Ray address (None for ``auto``); ``LaunchError`` when it is not HOST:PORT."""
     if address == "auto":
         return None
-    url = urlparse(address if "://" in address else f"ray://{address}")
-    try:
-        port = url.port
-    except ValueError:
-        port = None
-    if not url.hostname or not port:
+    found = host_port(address)
+    if found is None:
         raise LaunchError(f"--ray-address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379, ray://head:10001, auto)")
-    return url.hostname, port
+    return found
 
 
 def plan(resolved: dict, out, ray_address: str | None = None) -> dict:
