@@ -80,3 +80,21 @@ def openrlhf_args(agg: str = "token-mean", clip=(0.2, 0.28), dual_clip=10.0):
         ds=ns(packing_samples=False, tensor_parallel_size=1),
         vllm=ns(sync_backend="nccl"),
     )
+
+
+class PromptRows:
+    """A prompt set in the layout of OpenRLHF's ``PromptDataset`` rows (datasource, prompt, label, image), for its
+    real dataloaders; ``collate`` is ``PromptDataset.collate_fn``'s layout: datasources, prompts, labels, images."""
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def __getitem__(self, i):
+        return "data", self.prompts[i], "label", None
+
+    @staticmethod
+    def collate(rows):
+        return tuple(list(column) for column in zip(*rows))

@@ -77,21 +77,6 @@ class Killed(Exception):
     """The process died right after step k's checkpoint was written."""
 
 
-class _Dataset(torch.utils.data.Dataset):
-    def __init__(self, prompts):
-        self.prompts = prompts
-
-    def __len__(self):
-        return len(self.prompts)
-
-    def __getitem__(self, i):
-        return "data", self.prompts[i], "label", None
-
-
-def _collate(rows):  # PromptDataset.collate_fn's layout: datasources, prompts, labels, images
-    return tuple(list(column) for column in zip(*rows))
-
-
 def _answers(prompt: str) -> list:
     """A prompt's group as the rollout actor returns it: all wrong for a hard prompt, half right otherwise."""
     scores = [0.0] * N_SAMPLES if prompt.startswith("hard") else [float(i % 2) for i in range(N_SAMPLES)]
@@ -122,8 +107,8 @@ def _trainer(layout: Layout, saved: list, *, restart_from: dict | None = None, k
     """OpenRLHF's PPOTrainer (the class behind the Ray actor), with the stand-ins described above."""
     args = _args(layout)
     torch.manual_seed(0)  # a new process: the loader's shuffling generator is drawn from torch's default one
-    loader = ds_strategy.DeepspeedStrategy.setup_dataloader(ns(), _Dataset(layout.prompts()), 1, True, True,
-                                                             _collate)
+    rows = openrlhf_standins.PromptRows(layout.prompts())
+    loader = ds_strategy.DeepspeedStrategy.setup_dataloader(ns(), rows, 1, True, True, rows.collate)
     generator = samples_generator.SamplesGenerator(strategy=ns(args=args), prompts_dataloader=loader,
                                                    eval_dataloader=None, tokenizer=None, vllm_engines=[])
     generator._dispatch_prompts_to_vllm = lambda prompts, labels, images=None, **kw: [_answers(p) for p in prompts]

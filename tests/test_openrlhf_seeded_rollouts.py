@@ -128,24 +128,10 @@ def args(per_step: int, episodes: int = 1, filtering: bool = True):
               vllm=ns(enable_sleep=False), eval=ns(steps=float("inf")), ckpt=ns(best_metric_key="", load_enable=False, path="/nonexistent"))
 
 
-class _Dataset(torch.utils.data.Dataset):
-    def __init__(self, prompts):
-        self.prompts = prompts
-
-    def __len__(self):
-        return len(self.prompts)
-
-    def __getitem__(self, i):
-        return "data", self.prompts[i], "label", None
-
-
-def _collate(rows):  # PromptDataset.collate_fn's layout: datasources, prompts, labels, images
-    return tuple(list(column) for column in zip(*rows))
-
-
 def loader(prompts, shuffle=True):
     torch.manual_seed(SEED)  # a new worker process: launch.seed_worker seeds torch from STARE_SEED
-    return ds_strategy.DeepspeedStrategy.setup_dataloader(ns(), _Dataset(prompts), 1, True, shuffle, _collate)
+    rows = openrlhf_standins.PromptRows(prompts)
+    return ds_strategy.DeepspeedStrategy.setup_dataloader(ns(), rows, 1, True, shuffle, rows.collate)
 
 
 def generator(a, prompts, calls, engines=2, seeded=True, shuffle=True):
