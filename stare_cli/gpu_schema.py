@@ -17,7 +17,7 @@ from stare.algorithms.settings import REQUIRED, Setting, schema
 from stare.eval.data import BENCHES
 
 from .agent.sandbox import ISOLATION_MODES as SANDBOX_ISOLATION_MODES
-from .local_schema import check_algos
+from .local_schema import MAX_SEED, check_algos
 
 AGENTS = ("", "python")  # "" (single turn) | "python" (the sandboxed Python tool agent)
 # the tool sandbox's isolations and the benchmarks, from their homes (both modules are torch-free)
@@ -84,14 +84,15 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("rollout_micro_batch_size", int, 4, "sequences per GPU per log-prob forward", low=1),
     Setting("max_prompt_len", int, REQUIRED, "prompt limit in tokens", low=1),
     Setting("max_response_len", int, REQUIRED, "response limit in tokens", low=1),
-    Setting("lr", float, REQUIRED, "actor learning rate"),
-    Setting("warmup_ratio", float, 0.0, "share of the steps with a learning-rate warm-up"),
-    Setting("grad_clip", float, 1.0, "gradient norm clip"),
-    Setting("kl_coef", float, 0.0, "KL penalty to a reference model (0: no reference model, the paper's recipe)"),
-    Setting("temperature", float, 1.0, "rollout sampling temperature"),
-    Setting("top_p", float, 1.0, "rollout nucleus sampling"),
+    Setting("lr", float, REQUIRED, "actor learning rate", low=0.0, low_open=True),
+    Setting("warmup_ratio", float, 0.0, "share of the steps with a learning-rate warm-up", low=0.0, high=1.0),
+    Setting("grad_clip", float, 1.0, "gradient norm clip", low=0.0, low_open=True),
+    Setting("kl_coef", float, 0.0, "KL penalty to a reference model (0: no reference model, the paper's recipe)",
+            low=0.0),
+    Setting("temperature", float, 1.0, "rollout sampling temperature", low=0.0, high=2.0, low_open=True),
+    Setting("top_p", float, 1.0, "rollout nucleus sampling", low=0.0, high=1.0, low_open=True),
     Setting("episodes", int, 1, "passes over the prompt set", low=1),
-    Setting("seed", int, 42, "training seed"),
+    Setting("seed", int, 42, "training seed", low=0, high=MAX_SEED),
     Setting("seeded_rollouts", bool, True, "every rollout request carries a seed derived from seed, the step, the "
             "prompt's draw and the sample, a step's groups reach the trainer in draw order, and its update order is "
             "seeded too: a resumed run repeats the uninterrupted one, rollouts and weights (bit for bit on vLLM's "
@@ -114,7 +115,7 @@ GPU_SETTINGS: tuple[Setting, ...] = (
     Setting("gradient_checkpointing", bool, True, "recompute activations in the backward pass to save memory"),
     Setting("packing", bool, True, "pack sequences into token-budget micro-batches (needs flash-attn)"),
     Setting("max_tokens_per_gpu", int, 16384, "packing: the token budget of one micro-batch", low=1),
-    Setting("save_steps", int, 10, "a checkpoint every N steps"),
+    Setting("save_steps", int, 10, "a checkpoint every N steps", low=1),
     Setting("max_checkpoints", int, 2, "checkpoints kept", low=1),
     Setting("save_hf_checkpoints", bool, False, "also save the policy as a Hugging Face model at every checkpoint "
             "(OpenRLHF's --ckpt.save_hf: ckpt/global_step<S>_hf/, never rotated), for stare eval --checkpoints"),
@@ -127,7 +128,8 @@ GPU_SETTINGS: tuple[Setting, ...] = (
             "reward: avg@n)", low=1),
     Setting("eval_temperature", float, 0.6, "in-training evaluation: sampling temperature (top_p and the response "
             "limit are the rollout's)", low=0.0, high=2.0),
-    Setting("reward_timeout_s", float, 5.0, "time limit for scoring one answer, in seconds"),
+    Setting("reward_timeout_s", float, 5.0, "time limit for scoring one answer, in seconds", low=0.0,
+            low_open=True),
     Setting("wandb_project", str, "", "non-empty: also log to this W&B project ($WANDB_API_KEY)"),
     Setting("ray_dashboard", bool, False, "start the Ray dashboard with the Ray head started here (off by default: it "
             "can stall a small machine's start; a joined cluster's head decides for itself)"),
@@ -143,8 +145,9 @@ GPU_SETTINGS: tuple[Setting, ...] = (
             valid_text="a protocol of stare eval --protocol"),
     # multi-turn tool use (the qwen-7b-tool-use preset)
     Setting("agent", str, "", "'' (single turn) or python (multi-turn sandboxed Python tool use)", choices=AGENTS),
-    Setting("tool_max_turns", int, 4, "tool use: turns per episode"),
-    Setting("tool_timeout_s", float, 10.0, "tool use: time limit per code block, in seconds"),
+    Setting("tool_max_turns", int, 4, "tool use: turns per episode", low=1),
+    Setting("tool_timeout_s", float, 10.0, "tool use: time limit per code block, in seconds", low=0.0,
+            low_open=True),
     Setting("sandbox_isolation", str, "namespaces", "tool use: the sandbox's isolation (STARE_SANDBOX_ISOLATION in "
             "the workers): namespaces (user, network, pid, mount namespaces; the run stops in one line where the "
             "machine has none), auto (namespaces when available, else the audit-hook fallback) or basic (the "

@@ -115,14 +115,21 @@ def set_cases() -> list[tuple[str, list[str], str | None]]:
             cases.append((f"train --algo stare --set {item} --dry-run", [*TRAIN[:3], "--algo", "stare", "--dry-run",
                                                                           "--set", item], key))
     # GPU presets: every setting of the OpenRLHF schema (gpu_schema.py)
+    # GPU presets: every setting of the OpenRLHF schema (gpu_schema.py), its bounds as the local loop's
     for s in GPU_SETTINGS:
-        if s.type is str:
+        if s.type is str and s.choices is None:
             continue  # free text (ids, paths, templates): the value-specific cases are below
-        low = s.low if s.type is int else None  # the integer settings' lower bounds (>= 1)
-        for v in bad_values_for_type(s.type, low=low):
+        low = None if s.low is None else (s.low if not s.low_open else s.low - (1 if s.type is int else 0.5))
+        vals = bad_values_for_type(s.type, low=low, high=s.high, choices=s.choices)
+        vals = [v for v in vals if s.choices is None or v not in map(str, s.choices)]  # agent '' is single turn
+        if s.low is not None and s.low_open:
+            vals.append(str(s.low))  # the open bound itself
+        for v in vals:
             cases.append((f"train gpu --set {s.name}={v}", [*TRAIN_GPU, "--set", f"{s.name}={v}"], s.name))
+    # the values a new user tried (issue 58): each passed the dry run with its flag in the argv
     for item in ["agent=nope", "prompt_template=no placeholder", "cold_start_checkpoint=/no/such/path",
-                 "zero_stage=4", "vllm_gpu_memory_utilization=1.5", "samples_per_prompt=1"]:
+                 "zero_stage=4", "vllm_gpu_memory_utilization=1.5", "samples_per_prompt=1", "lr=-1",
+                 "warmup_ratio=5", "temperature=-1", "save_steps=0", "seed=-7"]:
         cases.append((f"train gpu --set {item}", [*TRAIN_GPU, "--set", item], item.split("=")[0]))
     # the shape of --set itself
     for item in ["nope=1", "=1", "noequals", "", f"{UNICODE}=1", " steps=0"]:
