@@ -172,6 +172,12 @@ class AlgoConfig:
         if self.stare and rule.active:
             raise ValueError(f"token_rule {self.token_rule!r} is a baseline's rule and cannot be combined with stare; "
                              "set token_rule to none or stare to false")
+        if self.stare and self.controller == "band":  # the rules between band settings, in the settings' names
+            if self.band_low > self.band_high:
+                raise ValueError(f"band_low {self.band_low!r} must be at most band_high {self.band_high!r} (the band "
+                                 "gate's bottom and top); lower band_low or raise band_high")
+            if self.band_target is not None:
+                check_range("band_target", self.band_target, self.band_low, self.band_high)
         if self.stare:
             self.make_controller()  # the controller validates W, M, target and band
         self._entropy_coef()  # the bonus's coefficient range (checked whether or not there is a bonus)
@@ -264,6 +270,7 @@ ALGO_SCHEMA: dict[str, Setting] = schema(ALGO_SETTINGS)
 SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
 # what AlgoConfig.unused_settings names: the "# STARE" block of AlgoConfig (all of it for a baseline), each gate's own
 _STARE_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.index("telemetry")]
+STARE_SETTINGS = _STARE_SETTINGS  # STARE's own settings (selection ... two_sided), in the fields' order
 _PAPER_SETTINGS = ("target_entropy", "adaptive", "alpha", "w_max", "m_min")
 _BAND_SETTINGS = ("band_low", "band_high", "band_target", "gain", "two_sided", "damp")
 _ADAPTIVE_BONUS_SETTINGS = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CliError
+from .rundir import FINAL, eval_dir
 
 LOGS = "logs"
 TRAIN, EVAL = "train", "eval"
@@ -89,7 +90,7 @@ class Step:
         if self.memory is not None:
             d["memory"] = self.memory
         if self.bench:
-            d["bench"], d["out"] = self.bench, str(self.run_dir / f"eval-{self.bench}")
+            d["bench"], d["out"] = self.bench, str(eval_dir(self.run_dir, self.bench))
         if self.openrlhf_argv is not None:
             d["openrlhf_argv"] = self.openrlhf_argv
         return d
@@ -235,7 +236,7 @@ def _eval_state(run_dir: Path, bench: str, evals: EvalOptions, seed: int) -> str
     drawn with other settings than these (what ``stare eval --resume`` would refuse)."""
     from stare.eval.record import EvalRefused, check_resume, eval_record, holds_samples, recorded_batching
 
-    folder = run_dir / f"eval-{bench}"
+    folder = eval_dir(run_dir, bench)
     has_summary = (folder / "summary.json").is_file()
     if not holds_samples(folder):  # nothing there, or what a failed start left (a record, no sample)
         return NEW
@@ -248,7 +249,7 @@ def _eval_state(run_dir: Path, bench: str, evals: EvalOptions, seed: int) -> str
     data = str(Path(local).resolve()) if local is not None else "hub"
     batching = evals.batching or recorded_batching(folder) or DEFAULT_BATCHING  # as stare eval --resume decides
     try:
-        check_resume(folder, eval_record(proto, seed=evals.seed, model=str(run_dir / "final"), bench=bench,
+        check_resume(folder, eval_record(proto, seed=evals.seed, model=str(run_dir / FINAL), bench=bench,
                                          data=data, tools=None, batching=batching))
     except EvalRefused as exc:
         raise CliError(str(exc)) from None

@@ -14,7 +14,7 @@ from pathlib import Path
 from . import errors, stopping
 from .errors import CliError, looks_like_hub_id
 from .folder_lock import check_free, hold
-from .rundir import final_model
+from .rundir import eval_dir, final_model
 
 HARNESSES = ("stare", "lm-eval")
 
@@ -48,7 +48,7 @@ def eval_target(model: str | None, out: Path | None, bench: str) -> tuple[str, P
         final = final_model(out) if out is not None else None
         if final is None:
             raise ValueError("--model is required (or give --out a training run folder that has final/)")
-        return str(final), out / f"eval-{bench}"
+        return str(final), eval_dir(out, bench)
     if not Path(model).exists() and not looks_like_hub_id(model):
         raise ValueError(f"--model {model!r}: no such folder ({Path(model).absolute()}), and not a hub id "
                          "(name or owner/name); check the path")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CliError
-from .rundir import RUN_SET_MARKER, saved_checkpoints
+from .rundir import RUN_SET_MARKER, eval_dir, saved_checkpoints
 
 SPEC_FORMS = "all, or every:N with N a positive integer (every:50: the steps that are multiples of 50)"
 
@@ -88,7 +88,7 @@ def plan_sweep(*, out: Path, spec: str, bench: str, model: str | None, harness: 
             raise CliError(f"--checkpoints {spec}: {run} kept no checkpoint at a multiple of {every} (its steps: "
                            f"{', '.join(str(s) for s, _ in kept)})")
         for step, folder in chosen:
-            step_out = run / f"eval-{bench}" / f"step-{step}"
+            step_out = eval_dir(run, bench) / f"step-{step}"
             done = (step_out / "summary.json").is_file()
             if done and not resume:
                 raise CliError(f"{step_out} already holds a finished evaluation; pass --resume to continue the sweep "

@@ -28,8 +28,17 @@ from stare.eval.jsonl import read_cut_jsonl
 from .folder_lock import without_lock
 from .presets import read_config
 
+# the folders of a run, named once: its final model (both engines), an OpenRLHF run's checkpoints and TensorBoard
+# logs, and an evaluation of its final model (``eval_dir``)
 FINAL = "final"
+CKPT = "ckpt"
+TENSORBOARD = "tensorboard"
 RUN_SET_MARKER = "run.yaml"
+
+
+def eval_dir(run_dir: Path, bench: str) -> Path:
+    """Where ``stare eval --out RUN`` (no --model) and ``stare run`` evaluate a run's final model on ``bench``."""
+    return Path(run_dir) / f"eval-{bench}"
 
 
 class RunDirError(ValueError):
@@ -63,9 +72,10 @@ def check_run_dir(run_dir: Path, resolved: dict, resume: bool) -> bool:
         if not resume:
             raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it or use another --out "
                               "(nothing was changed)")
-        if _comparable(old) != _comparable(resolved):
-            raise RunDirError(f"{run_dir} was started with other settings; resume it with the same --set values "
-                              "(see its config.yaml)")
+        changed = settings_changed(_comparable(old), _comparable(resolved))
+        if changed:
+            raise RunDirError(f"{run_dir} was started with other settings ({changed}); resume it with the same "
+                              "--set values (see its config.yaml)")
         return True
     if resume:
         raise RunDirError(f"nothing to resume in {run_dir}: no config.yaml there")
@@ -87,6 +97,32 @@ RUN_SET_SETTINGS = ("algos", "seeds", "benches", "eval_protocol")
 # statistics kernel (the kernels differ only in rounding); folders from before these settings have none of them
 RESUMABLE_CHANGES = {"settings": ("device", "ray_dashboard", "keep_checkpoint_every", *RUN_SET_SETTINGS),
                      "algo": ("stats_kernel",)}
+
+
+def settings_changed(old: dict, new: dict, *, most: int = 3) -> str:
+    """The keys whose values differ between two configs, as ``section.key: was OLD, now NEW`` (the first ``most``,
+    then how many more); '' when they are equal."""
+    diffs = _differences(old, new, "")
+    more = f"; and {len(diffs) - most} more" if len(diffs) > most else ""
+    return "; ".join(diffs[:most]) + more
+
+
+_UNSET = object()
+
+
+def _shown(value) -> str:
+    return "unset" if value is _UNSET else repr(value)
+
+
+def _differences(old: dict, new: dict, prefix: str) -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: was {_shown(a)}, now {_shown(b)}")
+    return out
 
 
 def _comparable(config: dict) -> dict:
@@ -184,7 +220,7 @@ def saved_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 # --- what a resume continues from ---------------------------------------------------------------------------
 
-CHECKPOINT = "checkpoint"  # the local trainer's (local/trainer.py CHECKPOINT)
+CHECKPOINT = "checkpoint"  # a local run's checkpoint folder (the local trainer writes it)
 METRICS = "metrics.jsonl"
 
 

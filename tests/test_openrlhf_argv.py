@@ -293,3 +293,21 @@ def test_vllm_enforce_eager_reaches_openrlhfs_parser_once_and_the_dry_run_shows_
     spec.loader.exec_module(loop_env)
     cpu = orl.plan(resolve(loop_env.PRESET, "stare", loop_env.SIZING), tmp_path / "cpu")["openrlhf_argv"]
     assert [*cpu, *shlex.split(loop_env.CPU_FLAGS)].count("--vllm.enforce_eager") == 1
+
+
+def test_the_dry_run_shows_every_stare_setting_the_selection_reads(tmp_path):
+    """The dry run's ``stare`` block of a STARE algorithm holds each of its STARE settings with the value the run gets
+    (its STARE_SETTINGS): the fields between ``stare`` and ``telemetry`` of AlgoConfig, read here from the dataclass
+    (a hand list once missed phi_tol, so stare-phi's dry run did not show it)."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(AlgoConfig)]
+    fields = names[names.index("stare") + 1:names.index("telemetry")]
+    assert "phi_tol" in fields and "selection" in fields and "two_sided" in fields
+    for algo in ("stare", "stare-phi"):
+        plan = orl.plan(resolve("qwen-7b-short-cot", algo, ["phi_tol=0.02"] if algo == "stare-phi" else []),
+                        tmp_path)
+        sent = json.loads(plan["ray"]["runtime_env"]["env_vars"][SETTINGS_ENV])["algo"]  # what the workers read
+        for key in fields:
+            assert key in plan["stare"] and plan["stare"][key] == sent[key], (algo, key)
+    assert orl.plan(resolve("qwen-7b-short-cot", "stare-phi", ["phi_tol=0.02"]), tmp_path)["stare"]["phi_tol"] == 0.02

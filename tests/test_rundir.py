@@ -95,9 +95,23 @@ def test_a_folder_from_before_an_algorithm_setting_existed_resumes(tmp_path):
         del old["algo"][key]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     assert check_run_dir(tmp_path, resolved, resume=True) is True
-    with pytest.raises(RunDirError, match="was started with other settings"):
+    with pytest.raises(RunDirError, match="was started with other settings") as err:
         check_run_dir(tmp_path, resolve("tiny-cpu", "grpo", ["clip_high=0.3"]), resume=True)
+    clip = resolved["algo"]["clip_high"]
+    assert f"(algo.clip_high: was {clip!r}, now 0.3)" in str(err.value)  # the key that differs, both values
     old["algo"]["dg_eta"] = 2.0  # a folder that names a value other than the default keeps it
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    with pytest.raises(RunDirError, match="was started with other settings"):
+    with pytest.raises(RunDirError, match="was started with other settings") as err:
         check_run_dir(tmp_path, resolved, resume=True)
+    assert "algo.dg_eta: was 2.0, now " in str(err.value)
+
+
+def test_settings_changed_names_each_differing_key_and_counts_the_rest():
+    from stare.cli.rundir import settings_changed
+
+    old = {"settings": {"lr": 0.1, "steps": 5, "a": 1, "b": 2}, "algo": {"name": "grpo"}}
+    new = {"settings": {"lr": 0.2, "steps": 5, "a": 3, "b": 4, "c": 5}, "algo": {"name": "grpo"}}
+    assert settings_changed(old, old) == ""
+    assert settings_changed(old, new) == ("settings.a: was 1, now 3; settings.b: was 2, now 4; settings.c: was "
+                                          "unset, now 5; and 1 more")
+    assert settings_changed(old, new, most=9).endswith("settings.lr: was 0.1, now 0.2")

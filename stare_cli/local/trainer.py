@@ -67,10 +67,7 @@ from .policy import Rollout, concat_rollouts, encode_prompts, load_policy, respo
 from .tasks import get_task
 
 from .. import stopping
-from ..rundir import KEPT, atomic_write, read_jsonl  # KEPT: checkpoints/step-<S>/ (keep_checkpoint_every)
-
-CHECKPOINT = "checkpoint"
-FINAL = "final"
+from ..rundir import CHECKPOINT, FINAL, KEPT, atomic_write, read_jsonl  # KEPT: checkpoints/step-<S>/
 
 
 def warmstart_name(device: torch.device, base: str = "warmstart") -> str:

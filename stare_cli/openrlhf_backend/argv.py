@@ -20,9 +20,10 @@ import shlex
 from pathlib import Path
 
 from stare.algorithms import AlgoConfig
-from stare.algorithms.registry import BONUS_SETTINGS
+from stare.algorithms.registry import BONUS_SETTINGS, STARE_SETTINGS
 
 from ..gpu_schema import SettingsError, check_values  # the GPU presets' settings table
+from ..rundir import CKPT, FINAL, TENSORBOARD
 
 SETTINGS_ENV = "STARE_SETTINGS"
 DASHBOARD_ENV = "STARE_RAY_DASHBOARD"  # 1: the local Ray head starts its dashboard (the ray_dashboard setting)
@@ -252,14 +253,14 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
         flag("eval.temperature", s["eval_temperature"])
         flag("ckpt.best_metric_key", "none")
     # outputs: checkpoints (resumed automatically when present), final model, logs
-    flag("ckpt.path", str(out / "ckpt"))
+    flag("ckpt.path", str(out / CKPT))
     flag("ckpt.save_steps", s["save_steps"])
     flag("ckpt.max_num", s["max_checkpoints"])
     if s["save_hf_checkpoints"]:
         flag("ckpt.save_hf")
     flag("ckpt.load_enable")
-    flag("ckpt.output_dir", str(out / "final"))
-    flag("logger.tensorboard_dir", str(out / "tensorboard"))
+    flag("ckpt.output_dir", str(out / FINAL))
+    flag("logger.tensorboard_dir", str(out / TENSORBOARD))
     flag("logger.wandb.run_name", run_name)
     if s["wandb_project"]:
         flag("logger.wandb.project", s["wandb_project"])
@@ -267,10 +268,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
 
     stare = {}
     if algo["stare"]:
-        stare = {k: algo[k] for k in ("name", "selection", "variant", "top_ratio", "w", "m", "damp", "phi_cap",
-                                      "scope", "controller", "target_entropy", "adaptive", "alpha", "w_max",
-                                      "m_min", "band_low", "band_high", "band_target", "gain", "two_sided",
-                                      "telemetry")}
+        stare = {k: algo[k] for k in ("name", *STARE_SETTINGS, "telemetry")}  # every STARE field, from its owner
     elif rule.active:  # an entropy baseline: the plugin applies its token rule once per step (the dry run prints
         # the settings the rule reads)
         stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}

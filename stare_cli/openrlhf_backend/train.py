@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from .. import errors
 from ..errors import CliError
+from ..rundir import CKPT
 
 
 def plan(resolved: dict, out: Path, ray_address: str | None) -> dict:
@@ -83,7 +84,7 @@ def train(resolved: dict, launch_plan: dict, out: Path, *, resume: bool, ray_add
         if resume:
             from .checkpoint import describe_resume
 
-            errors.plain(console)(describe_resume(out / "ckpt", resolved["settings"].get("seeded_rollouts", True)))
+            errors.plain(console)(describe_resume(out / CKPT, resolved["settings"].get("seeded_rollouts", True)))
         try:
             orl.start(resolved, launch_plan, log=errors.plain(console))
         except orl.LaunchError as exc:
