@@ -64,7 +64,21 @@ def load_yaml(text: str, *, source: str):
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PresetError(f"{source} is not valid YAML: {exc}".splitlines()[0]) from None
+        raise PresetError(f"{source} is not valid YAML{_where(exc)}: {_problem(exc)}") from None
+
+
+def _where(exc) -> str:
+    """`` at line L, column C`` (1-based) of the parser's mark: where it found the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _problem(exc) -> str:
+    """The parser's words in one line: what it was doing and what it found (``while parsing a flow sequence ...
+    expected ',' or ']', but got '<scalar>'``), without its excerpt of the file."""
+    parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+    words = "; ".join(p for p in parts if p)
+    return words or str(exc).splitlines()[0]
 
 
 def read_config(path) -> dict:
@@ -154,7 +168,7 @@ def load_preset_file(path: Path) -> Preset:
     if not isinstance(data["name"], str) or not NAME_RE.fullmatch(data["name"]):
         raise PresetError(f"preset {source}: name {data['name']!r} must be letters, digits, '.', '_' or '-' (it "
                           "names run folders)")
-    preset = parse_preset_data(data, source=source)
+    preset = parse_preset_data(data, source=source, file_fields=("base",))
     preset.file = {"path": str(path.absolute()), "sha256": hashlib.sha256(raw).hexdigest()}
     return preset
 
@@ -186,7 +200,10 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
     return parse_preset_data(data, source=source, expected_name=expected_name)
 
 
-def parse_preset_data(data: dict, *, source: str, expected_name: str | None = None) -> Preset:
+def parse_preset_data(data: dict, *, source: str, expected_name: str | None = None,
+                      file_fields: tuple[str, ...] = ()) -> Preset:
+    """``file_fields``: the fields a preset file of one's own may also hold (``base``), named in the unknown-field
+    line with the rest."""
     for key, typ in REQUIRED.items():
         if key not in data:
             raise PresetError(f"preset {source} is missing the field {key!r}")
@@ -195,7 +212,7 @@ def parse_preset_data(data: dict, *, source: str, expected_name: str | None = No
     unknown = sorted(set(data) - set(REQUIRED) - {"algorithms"})
     if unknown:
         raise PresetError(f"preset {source} has unknown field {unknown[0]!r}; valid fields: "
-                          f"{', '.join([*REQUIRED, 'algorithms'])}")
+                          f"{', '.join([*REQUIRED, 'algorithms', *file_fields])}")
     if expected_name is not None and data["name"] != expected_name:
         raise PresetError(f"preset {source} names itself {data['name']!r}; the name must match the file name")
     if data["backend"] not in BACKENDS:

@@ -71,3 +71,36 @@ def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, s
         resolved = {a: first if a == first["algo"]["name"] else resolve(preset, a, sets) for a in arms}
     return RunSet(p.name, list(resolved), seeds or first["settings"]["seeds"], resolved, p.backend,
                   swept)  # a file preset: its name
+
+
+# the flags of ``stare run`` that a setting also gives: both at once is refused (which one would win is a guess)
+FLAG_SETTINGS = {"--algos": "algos", "--seeds": "seeds", "--bench": "benches"}
+
+
+def check_flags_against_sets(sets: list[str], flags: dict[str, object]) -> None:
+    """``PresetError`` when a flag of ``FLAG_SETTINGS`` is given (``flags``: flag -> value or None) and a ``--set`` of
+    its setting too, naming both values."""
+    from .presets import parse_sets
+
+    given = dict(parse_sets(sets))
+    for flag, key in FLAG_SETTINGS.items():
+        if flags.get(flag) is not None and key in given:
+            raise PresetError(f"{flag} {flags[flag]} and --set {key}={given[key]} are both given; give one of them "
+                              f"({flag} sets the {key} setting)")
+
+
+def inert_sets(sets: list[str], resolved: dict[str, dict]) -> list[str]:
+    """A warning line for each ``--set`` algorithm setting that none of the arms reads (``AlgoConfig.unused_settings``:
+    ``w`` on grpo, ``band_low`` under the paper gate), with why; ``resolved``: arm -> its resolved settings. Such a
+    value changes no weight and no number, so it is said, not refused: one ``--set`` list often serves several
+    algorithms."""
+    from .presets import parse_sets
+    from .sweep import resolved_unused
+
+    unused = {arm: resolved_unused(r) for arm, r in resolved.items()}
+    lines = []
+    for key, raw in parse_sets(sets):
+        if unused and all(key in u for u in unused.values()):
+            why = next(iter(unused.values()))[key]  # the first arm's reason
+            lines.append(f"--set {key}={raw} changes nothing for {', '.join(unused)}: {why}")
+    return lines

@@ -557,3 +557,30 @@ def test_missing_cold_start_checkpoint_is_refused_by_the_dry_run(tmp_path):
     res = invoke("train", "--preset", "qwen-7b-tool-use", "--set", f"cold_start_checkpoint={sft}", "--dry-run",
                  "--out", str(tmp_path / "o"))
     assert res.exit_code == 0, res.output
+
+
+# ---- --set values that change nothing, and a flag given twice (issue 58, item 7) --------------------------------
+
+def test_a_set_no_arm_reads_is_a_warning_line_and_one_some_arm_reads_is_silent():
+    res = invoke("train", "--preset", "tiny-cpu", "--algo", "grpo", "--set", "w=1.5", "--dry-run")
+    assert res.exit_code == 0
+    assert res.stderr.strip() == ("warning: --set w=1.5 changes nothing for grpo: only STARE algorithms use it (stare "
+                                  "is off for grpo)")
+    res = invoke("run", "--preset", "tiny-cpu", "--algos", "grpo,dapo", "--set", "w=1.5", "--dry-run")
+    assert res.exit_code == 0 and "changes nothing for grpo, dapo" in res.stderr
+    res = invoke("run", "--preset", "tiny-cpu", "--algos", "grpo,stare", "--set", "w=1.5", "--set", "steps=5",
+                 "--dry-run")
+    assert res.exit_code == 0 and res.stderr == ""  # stare reads w; steps is every arm's
+    res = invoke("train", "--preset", "tiny-cpu", "--algo", "stare", "--set", "band_low=0.1", "--dry-run")
+    assert "band_low=0.1 changes nothing for stare: only the band controller uses it" in res.stderr
+    res = invoke("train", "--preset", "tiny-cpu", "--algo", "stare-phi", "--set", "band_low=0.1", "--dry-run")
+    assert res.exit_code == 0 and res.stderr == ""
+
+
+@pytest.mark.parametrize("flag, value, item", [("--algos", "dapo", "algos=grpo"), ("--seeds", "2", "seeds=3"),
+                                               ("--bench", "aime25", "benches=aime24")])
+def test_a_flag_and_a_set_of_its_setting_are_refused_together(flag, value, item):
+    preset = "qwen-7b-short-cot" if flag == "--bench" else "tiny-cpu"
+    line = one_line(invoke("run", "--preset", preset, flag, value, "--set", item, "--dry-run"))
+    assert line == (f"error: {flag} {value} and --set {item} are both given; give one of them ({flag} sets the "
+                    f"{item.split('=')[0]} setting)")

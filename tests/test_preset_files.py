@@ -114,7 +114,8 @@ def test_presets_says_where_shipped_presets_live_and_that_a_path_works():
 
 BAD_FILES = {  # file text -> what the one line says (after the file's path)
     "- a list\n": "must be a mapping of fields, got list",
-    "base: tiny-cpu\nbogus: 1\n": "has unknown field 'bogus'",
+    "base: tiny-cpu\nbogus: 1\n": "has unknown field 'bogus'; valid fields: name, description, backend, settings, "
+                                  "algorithms, base",
     "base: nope\n": "base 'nope' is not a shipped preset; valid bases:",
     "base: ./other.yaml\n": "base './other.yaml' is not a shipped preset",
     "base: tiny-cpu\nsettings: {steps: 0}\n": "steps",
@@ -126,6 +127,8 @@ BAD_FILES = {  # file text -> what the one line says (after the file's path)
     "base: qwen-7b-short-cot\nsettings: {zero_stage: 4}\n": "zero_stage",
     "name: x\nbackend: local\n": "is missing the field 'description'",
     "a: [\n": "is not valid YAML",
+    "base: tiny-cpu\nsettings:\n  steps: [1, 2\n  seed: 3\n": "is not valid YAML at line 4, column 7: while parsing a "
+                                                            "flow sequence; expected ',' or ']', but got ':'",
 }
 
 

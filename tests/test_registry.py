@@ -74,8 +74,10 @@ def test_overrides_and_errors():
         get_algorithm("stare", wx=1.0)
     with pytest.raises(ValueError, match="target_entropy must be in \\(0"):
         get_algorithm("stare", target_entropy=-1.0)
-    with pytest.raises(ValueError, match="band low must be <= band high"):
+    with pytest.raises(ValueError, match=r"^band_low 0.5 must be at most band_high 0.4 \(the band gate"):
         get_algorithm("stare-phi", band_low=0.5, band_high=0.4)
+    with pytest.raises(ValueError, match=r"^band_target must be in \[0.3, 0.45\]"):
+        get_algorithm("stare-phi", band_target=0.5)
     with pytest.raises(ValueError, match="unknown aggregation"):
         get_algorithm("grpo", agg="sum")
 

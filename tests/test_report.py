@@ -225,11 +225,23 @@ def test_load_run_errors_name_the_file(tmp_path):
     (run / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"metrics.jsonl holds no steps"):
         load_run(run)
-    # a run killed while writing its last line: the partial line is dropped with a warning
+    # a run killed while writing its last line: the partial line is dropped, with a warning the comparison says
     (run / "metrics.jsonl").write_text(good + '{"step": 3, "rew')
-    with pytest.warns(UserWarning, match="truncated"):
-        assert [r["step"] for r in load_run(run).metrics] == [1, 2]
+    cut = load_run(run)
+    assert [r["step"] for r in cut.metrics] == [1, 2]
+    assert cut.warnings == [f"{run / 'metrics.jsonl'}: its last line (3) was cut off while it was written (the run "
+                            "was stopped); it is left out"]
+    from typer.testing import CliRunner
+
+    from stare.cli.main import app
+
+    res = CliRunner().invoke(app, ["compare", str(run), "--out", str(tmp_path / "cmp")], terminal_width=300)
+    assert res.exit_code == 0, res.output
+    said = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert said == [f"warning: {cut.warnings[0]}"], res.stderr  # one line, no Python warning with a source path
+    assert "cut off" in (tmp_path / "cmp" / "comparison.md").read_text()
     (run / "metrics.jsonl").write_text(good)
+    assert load_run(run).warnings == []
 
     (run / "config.yaml").write_text("algo: [unclosed\n")
     with pytest.raises(ValueError, match=r"config.yaml is not valid YAML"):

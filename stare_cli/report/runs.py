@@ -24,7 +24,6 @@ import json
 import math
 import re
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +52,7 @@ class Run:
     # accuracy over training: curve key -> {"label", "points": {step: {"value", "ci_low", "ci_high", "k"}}}
     # (``read_checkpoint_curves``, ``heldout_curve``, ``tensorboard_runs.eval_curves``)
     curves: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)  # what reading it skipped (a cut last line): the comparison's warnings
 
 
 BENCH_ORDER = tuple(BENCHES)  # the order of the comparison's bench columns: the benchmarks' own
@@ -131,7 +131,7 @@ def load_run(path) -> Run:
         raise ValueError(f"{path}: no metrics.jsonl there (the run never started?)")
     text = metrics_path.read_text()
     lines = text.splitlines()
-    metrics = []
+    metrics, skipped = [], []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -139,7 +139,8 @@ def load_run(path) -> Run:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             if lineno == len(lines) and not text.endswith("\n"):  # a run killed while writing its last line
-                warnings.warn(f"{metrics_path}: ignoring the truncated last line {lineno}")
+                skipped.append(f"{metrics_path}: its last line ({lineno}) was cut off while it was written "
+                               "(the run was stopped); it is left out")
                 break
             raise ValueError(f"{metrics_path} line {lineno} is not valid JSON: {exc}") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
@@ -161,7 +162,8 @@ def load_run(path) -> Run:
         if not isinstance(result, dict) or not isinstance(result.get("k"), int):
             raise ValueError(f"{eval_path} is malformed: expected a JSON object with an integer k")
     return Run(path=path, algo=algo["name"], seed=seed, config=config, metrics=metrics, eval=result,
-               evals=read_evals(path), curves={**heldout_curve(metrics), **read_checkpoint_curves(path)})
+               evals=read_evals(path), curves={**heldout_curve(metrics), **read_checkpoint_curves(path)},
+               warnings=skipped)
 
 
 # ---- 2. per-run measures and one arm's summary ------------------------------------------------------------------

@@ -233,7 +233,7 @@ def build_comparison(runs: list[Run], *, baseline: str | None = None, evals: lis
         raise ValueError(f"--baseline {baseline!r}: no arm of that name, label or folder here; the arms are: "
                          + ", ".join(a["label"] for a in arms))
     differences = setting_differences(runs, groups)
-    warnings = []
+    warnings = [w for r in runs for w in r.warnings]
     if differences:
         said = "; ".join(f"{key} " + ", ".join(map(str, values)) for key, values in differences)
         warnings.append(f"the compared runs differ in more than algorithm and seed ({said}): their intervals and "
