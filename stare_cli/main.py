@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from stare.algorithms import ALGORITHMS
+from stare.eval.data import BENCHES
 
 from . import errors
 from .errors import fail  # one line, escaped: rich would eat [...] in user values and hints
@@ -136,6 +139,19 @@ def _resolve_or_fail(preset: str, algo: str, sets: list[str]) -> dict:
         fail(str(exc))
 
 
+def _warning(line: str) -> None:
+    """One ``warning:`` line on stderr (plain text, never markup)."""
+    errors.err_console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _warn_inert(sets: list[str], resolved: dict[str, dict]) -> None:
+    """One ``warning:`` line per ``--set`` that no arm reads (``run_set.inert_sets``)."""
+    from .run_set import inert_sets
+
+    for line in inert_sets(sets, resolved):
+        _warning(line)
+
+
 def _dump(data: dict) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
@@ -171,6 +187,7 @@ def train(
     143, with the --resume command; OUT is locked while this writes it.
     """
     resolved = _resolve_or_fail(preset, algo, set_ or [])
+    _warn_inert(set_ or [], {algo: resolved})
     if ray_address is not None and not ray_address.strip():  # given empty: not "start a head here"
         fail("--ray-address '': expected HOST:PORT, ray://HOST:PORT or auto (leave the flag out to start a Ray head "
              "here)")
@@ -267,12 +284,14 @@ def run(
     Ctrl-C or SIGTERM stops every worker within seconds (exit 130 / 143) and prints the --resume command; DIR is
     locked while this writes it (a second writer is refused).
     """
-    from .run_set import resolve_run_set
+    from .run_set import check_flags_against_sets, resolve_run_set
 
     try:
+        check_flags_against_sets(set_ or [], {"--algos": algos, "--seeds": seeds, "--bench": bench})
         arm_set = resolve_run_set(preset, set_ or [], algos=algos, seeds=seeds, sweeps=sweep)
     except PresetError as exc:
         fail(str(exc))
+    _warn_inert(set_ or [], arm_set.resolved)
     out = out or Path("runs") / arm_set.preset
     errors.check_out_dir(out)
     if arm_set.backend == "openrlhf":
@@ -295,10 +314,27 @@ def run(
         return
     from .local.runner import run_set
 
-    plots = run_set(arm_set, out, resume=resume, parallel=parallel or 2, console=console)
-    console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {out}/comparison.md, comparison.csv" + "".join(f", {p.name}" for p in plots),
-                  markup=False, highlight=False)
+    failures = run_set(arm_set, out, resume=resume, parallel=parallel or 2, console=console)
+    if (out / "comparison.md").is_file():
+        console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
+        plots = sorted(p.name for p in out.glob("*.png"))
+        console.print(f"wrote {out}/comparison.md, comparison.csv" + "".join(f", {p}" for p in plots),
+                      markup=False, highlight=False)
+    _fail_with(failures)
+
+
+def _fail_with(failures: list[str]) -> None:
+    """The end of a ``stare run`` with failed steps (either engine): each on a ``failed:`` line, then one error line
+    with the command that continues (exit 1); nothing when there are none."""
+    if not failures:
+        return
+    import shlex
+
+    for line in failures:
+        errors.err_console.print(f"failed: {line}", markup=False, highlight=False, soft_wrap=True)
+    again = sys.argv[1:] + ([] if "--resume" in sys.argv else ["--resume"])
+    fail(f"{len(failures)} step(s) failed (above, and in the table's notes); fix and continue with: stare "
+         f"{shlex.join(again)}", code=1)
 
 
 def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: int, resume: bool, dry_run: bool,
@@ -349,14 +385,7 @@ def _run_cluster(arm_set, out: Path, *, preset: str, sets: list[str], parallel: 
     if compared:
         console.print((plan.out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)
         say(f"wrote {plan.out}/comparison.md, comparison.csv, comparison.json and the plots ({len(compared)} run(s))")
-    if failures:
-        for line in failures:
-            errors.err_console.print(f"failed: {line}", markup=False, highlight=False, soft_wrap=True)
-        import shlex
-
-        again = sys.argv[1:] + ([] if "--resume" in sys.argv else ["--resume"])
-        fail(f"{len(failures)} step(s) failed (above, and in the table's notes); fix and continue with: stare "
-             f"{shlex.join(again)}", code=1)
+    _fail_with(failures)
 
 
 @app.command("eval")
@@ -401,8 +430,8 @@ def eval_(
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local JSONL, JSON or parquet with problem "
                                                                       "and answer fields, or 'hub' for the Hugging "
                                                                       "Face hub (default: $STARE_DATA_DIR, else the "
-                                                                      "copy shipped for aime24/aime25, else the "
-                                                                      "hub)."),
+                                                                      "copy shipped with stare, one for each "
+                                                                      f"benchmark: {', '.join(BENCHES)})."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (sample j of problem i: (seed mod 2**31) * 2**32 + "
                                                "i * k + j)."),
@@ -449,9 +478,18 @@ def eval_(
                   f"{escape(str(plan.out))}/summary.md")
 
 
-@app.command()
+class _PlainUsage(typer.core.TyperCommand):
+    """A usage line that names a required argument as ``DIR...`` (the newer typer writes ``{DIR}...``, which reads as
+    a template left unfilled)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [re.sub(r"^\{([^{}]*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
+@app.command(cls=_PlainUsage)
 def compare(
-    dirs: List[Path] = typer.Argument(..., help="Training runs, eval outputs, or folders holding runs."),
+    dirs: List[Path] = typer.Argument(..., metavar="DIR", help="Training runs, eval outputs, or folders holding "
+                                      "runs."),
     out: Path = typer.Option(Path("comparison"), "--out", "-o", help="Where the tables and plots go."),
     baseline: Optional[str] = typer.Option(
         None, "--baseline", help="The arm every other arm's seeds are tested against (95% intervals, exact "
@@ -467,9 +505,7 @@ def compare(
 
     errors.check_out_dir(out)
     try:
-        rows = run_compare(list(dirs), out, baseline=baseline,
-                           warn=lambda line: errors.err_console.print(f"warning: {line}", markup=False,
-                                                                      highlight=False, soft_wrap=True))
+        rows = run_compare(list(dirs), out, baseline=baseline, warn=_warning)
     except ValueError as exc:
         fail(str(exc))
     console.print((out / "comparison.md").read_text(), markup=False, highlight=False, soft_wrap=True)

@@ -89,7 +89,16 @@ def signal_and_measure(proc, sig, *, group=False):
 
 
 def workers(sid: int) -> set[int]:
-    return {p for p in session_pids(sid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")}
+    """The session's spawned worker processes (a process that ends while this reads /proc is skipped)."""
+    out = set()
+    for p in session_pids(sid):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "spawn_main" in cmdline:
+            out.add(p)
+    return out
 
 
 def metric_lines(path: Path) -> int:
@@ -120,7 +129,7 @@ def test_stare_run_stops_on_ctrl_c_sigterm_and_kill_then_resumes_to_the_uninterr
     assert seconds < RUN_STOP_S, seconds
     resume = ("stare run --preset tiny-cpu --algos grpo,stare " + " ".join(f"--set {s}" for s in
               [*FAST, "steps=24", "save_every=3"]) + f" --out {out} --resume")
-    assert "stopped by SIGINT: 1 worker(s) stopped, 0 queued job(s) not started" in err and err.rstrip().endswith(f"Continue with: {resume}"), err
+    assert "stopped by SIGINT: 1 worker(s) stopped, 2 queued job(s) not started" in err and err.rstrip().endswith(f"Continue with: {resume}"), err
     assert not (out / "grpo" / "metrics.jsonl").exists() or metric_lines(out / "grpo" / "metrics.jsonl") == 0
     assert not (out / ".stare-lock").exists()
 
@@ -273,6 +282,51 @@ def test_a_ctrl_c_while_a_worker_starts_does_not_kill_it_half_started(tmp_path):
         assert out.splitlines() == ["parent stopped", "worker ran True"], err[-3000:]
         assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
         assert proc.returncode == 130
+
+
+QUEUED_JOBS = """
+import multiprocessing as mp, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from stare.cli import stopping
+from stare.cli.local import runner
+
+def job(i):
+    print("started", i, flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"), initializer=stopping.worker_setup,
+                               initargs=(os.getpid(),))
+    jobs = runner.Jobs(pool, 2)
+    for i in range(5):
+        jobs.add(i, job, i)
+    with stopping.stop_on_signals():
+        try:
+            while True:  # the run's loop: hand over what a free worker can take
+                jobs.fill()
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            runner._stop_pool(pool, jobs)
+            pool.shutdown(wait=True)
+            raise
+"""
+
+
+def test_a_stop_counts_the_jobs_not_started_and_prints_no_thread_traceback(tmp_path):
+    """Five arms, two workers: a Ctrl-C stops the two running and says three never started, with no
+    ``InvalidStateError`` from the pool's own thread (what cancelling a future the pool had not picked up printed)."""
+    script = tmp_path / "queued.py"
+    script.write_text(QUEUED_JOBS)
+    proc = start([sys.executable, str(script)])
+    started = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
+    assert started == {"started 0", "started 1"}
+    time.sleep(1.0)  # the loop keeps calling fill(): nothing more may start while both workers are busy
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "started" not in out  # no third job ran, before or after the stop
+    assert "stopped by SIGINT: 2 worker(s) stopped, 3 queued job(s) not started" in err, err[-3000:]
+    assert "Traceback" not in err and "Exception in thread" not in err and "InvalidStateError" not in err, err
 
 
 DIES_WITH_PARENT = """

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,14 +151,14 @@ def plan_run_set(arm_set, out: Path, *, resume: bool) -> list[ArmPlan]:
         raise CliError(str(exc)) from None
 
 
-def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console) -> list[Path]:
+def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console) -> list[str]:
     """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
-    ``out`` (``run_arms``), then ``comparison.md``/``.csv``/``.json`` and the plots; returns the plot files."""
+    ``out`` (``run_arms``), then the comparison of those that finished (``report.compare``, as ``stare compare``
+    writes it: ``comparison.md``/``.csv``/``.json`` and the plots). An arm that fails does not stop the others (the
+    policy of a GPU preset's ``stare run``): returns the failures, one line each, which are also the table's notes;
+    ``--resume`` retries them."""
     from ..errors import check_out_dir
-    from ..report.dose_response import plot as plot_dose_response
-    from ..report.plots import plot_accuracy, plot_curves
-    from ..report.runs import load_run
-    from ..report.tables import write_comparison
+    from ..report.compare import compare
 
     first = next(iter(arm_set.resolved.values()))  # the arms share the preset's settings
     check_device(first)
@@ -170,15 +171,15 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
         arms = escape(", ".join(arm_set.arms))  # a swept arm's name, stare[w=2], is not rich markup
         console.print(f"[bold]stare run[/] {escape(arm_set.preset)}: {arms} x {arm_set.seeds} seed(s) -> "
                       f"{escape(str(out))}")
+        failures: list[str] = []
         try:
-            dirs = run_arms(plan, out, seeds=arm_set.seeds, parallel=parallel, console=console)
+            dirs = run_arms(plan, out, seeds=arm_set.seeds, parallel=parallel, console=console, failures=failures)
         except RunDirError as exc:
             raise CliError(str(exc)) from None
-        runs = [load_run(d) for d in dirs]
-        summary = write_comparison(out, runs)
-        accuracy = plot_accuracy(out, runs)  # only with eval_every (or checkpoint sweeps) on
-        dose = plot_dose_response(out, summary["dose_response"], summary["arms"])  # only with --sweep
-        return plot_curves(out, runs) + [p for p in (accuracy, dose) if p]
+        finished = [d for d in dirs if (d / "eval.json").is_file()]
+        if finished:
+            compare(finished, out, notes=failures)
+        return failures
 
 
 def _warmstart_job(resolved: dict, folder: str) -> str:
@@ -199,51 +200,102 @@ def _arm_job(resolved: dict, run_dir: str, warmstart_dir: str | None, resume: bo
     return trainer.run(resume=resume)
 
 
-def _train_arms(plan: list, pool: ProcessPoolExecutor, futures: dict, progress: Progress, *, out: Path,
-                seeds: int) -> None:
-    """The warm starts (once per seed), then every arm not done, ``pool``'s workers at a time, drawn as progress
-    bars; ``futures`` holds the arms submitted and not finished (what a stop interrupts)."""
+class Jobs:
+    """The worker jobs of a ``stare run``: warm starts, then arms. They wait here, in order, and at most ``parallel``
+    at a time are handed to the pool, so a job handed over has a worker of its own and a job not handed over was never
+    started. A stop then counts exactly (``queued``) and never cancels a pool future: cancelling one the pool had not
+    yet picked up made its broken-pool handling raise ``InvalidStateError`` in a thread of its own when the workers
+    were stopped. An arm is handed over only once no warm start is waiting or running (it reads the warm start)."""
+
+    def __init__(self, pool: ProcessPoolExecutor, parallel: int, failures: list[str] | None = None):
+        self.pool, self.parallel = pool, parallel
+        self.queued: list[tuple[object, bool, object, tuple]] = []  # (key, is a warm start, fn, args)
+        self.running: dict = {}  # key -> Future
+        self.warm_running: set = set()
+        self.failures = failures  # a list: an arm's error is recorded there and the others go on; None: raised
+
+    def add(self, key, fn, *args, warm: bool = False) -> None:
+        self.queued.append((key, warm, fn, args))
+
+    def fill(self) -> None:
+        while self.queued and len(self.running) < self.parallel:
+            key, warm, fn, args = self.queued[0]
+            if not warm and self.warm_running:
+                return
+            self.queued.pop(0)
+            self.running[key] = stopping.submit(self.pool, fn, *args)
+            if warm:
+                self.warm_running.add(key)
+
+    def finished(self, key) -> None:
+        del self.running[key]
+        self.warm_running.discard(key)
+
+
+def _train_arms(plan: list, jobs: Jobs, progress: Progress, *, out: Path, seeds: int) -> None:
+    """The warm starts (once per seed), then every arm not done, ``jobs.parallel`` workers at a time, drawn as progress
+    bars; ``jobs`` holds what waits and what runs (what a stop interrupts)."""
     ws_needed = {}
     for algo, seed, resolved, run_dir, done in plan:
         if not done and resolved["settings"].get("model", "tiny") == "tiny":
             ws_needed.setdefault(seed, resolved)
     device = engine_device(plan[0][2]["settings"])
     ws_dirs = {seed: out / "warmstart" / warmstart_name(device, f"seed{seed}") for seed in {p[1] for p in plan}}
-    if ws_needed:
-        t = progress.add_task("warm starts", total=len(ws_needed), status="supervised warm start")
-        for seed, r in ws_needed.items():
-            futures[f"warm start seed{seed}"] = stopping.submit(pool, _warmstart_job, r, str(ws_dirs[seed]))
-        for name in list(futures):
-            futures[name].result()
-            del futures[name]
-            progress.advance(t)
-    tasks = {}
+    ws_task = progress.add_task("warm starts", total=len(ws_needed), status="supervised warm start") \
+        if ws_needed else None
+    for seed, r in ws_needed.items():
+        jobs.add(f"warm start seed{seed}", _warmstart_job, r, str(ws_dirs[seed]), warm=True)
+    tasks, names = {}, {}
     for algo, seed, resolved, run_dir, done in plan:
         name = algo if seeds == 1 else f"{algo} seed{seed}"
+        names[run_dir] = name
         steps = resolved["settings"]["steps"]
         tasks[run_dir] = progress.add_task(escape(name), total=steps, completed=steps if done else 0,
                                            status="done (kept)" if done else "queued")
         if not done:
-            futures[run_dir] = stopping.submit(pool, _arm_job, resolved, str(run_dir), str(ws_dirs[seed]),
-                                               (run_dir / "checkpoint").exists())
-    while futures:
-        for run_dir, fut in list(futures.items()):
-            lines, rec = bars.last_record(run_dir / "metrics.jsonl")
+            jobs.add(run_dir, _arm_job, resolved, str(run_dir), str(ws_dirs[seed]), (run_dir / "checkpoint").exists())
+    while jobs.queued or jobs.running:
+        jobs.fill()
+        for key, fut in list(jobs.running.items()):
+            if key in jobs.warm_running:
+                if fut.done():
+                    fut.result()  # re-raises a worker's error
+                    jobs.finished(key)
+                    progress.advance(ws_task)
+                continue
+            lines, rec = bars.last_record(key / "metrics.jsonl")
             if fut.done():
-                result = fut.result()  # re-raises a worker's error
+                try:
+                    result = fut.result()
+                except BrokenProcessPool:  # a worker died (killed, out of memory): the pool is gone for all
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the arm's own error: recorded, the others go on
+                    if jobs.failures is None:
+                        raise
+                    jobs.failures.append(f"train {names[key]} failed: {error_line(exc)} (in {key})")
+                    progress.update(tasks[key], completed=lines, status="FAILED")
+                    jobs.finished(key)
+                    continue
                 k = result["k"]
-                progress.update(tasks[run_dir], completed=lines,
+                progress.update(tasks[key], completed=lines,
                                 status=f"avg@{k} {result[f'avg_at_{k}']:.3f} pass@{k} {result[f'pass_at_{k}']:.3f}")
-                del futures[run_dir]
+                jobs.finished(key)
             elif lines:
-                progress.update(tasks[run_dir], completed=lines, status=bars.live_status(rec))
+                progress.update(tasks[key], completed=lines, status=bars.live_status(rec))
         time.sleep(0.3)
 
 
-def _stop_pool(pool: ProcessPoolExecutor, futures: dict) -> None:
-    """A stop: no queued arm starts, the running ones get SIGTERM (each exits after the checkpoint it may be
+def error_line(exc: BaseException) -> str:
+    """An arm's error in one line: its message's first line, or its type where it has none."""
+    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _stop_pool(pool: ProcessPoolExecutor, jobs: Jobs) -> None:
+    """A stop: no waiting job starts, the running ones get SIGTERM (each exits after the checkpoint it may be
     writing), then SIGKILL after ``stopping.GRACE_S``; says how many of each."""
-    queued = sum(f.cancel() for f in futures.values())  # not handed to a worker yet
+    queued = len(jobs.queued)
+    jobs.queued.clear()
     procs = list((getattr(pool, "_processes", None) or {}).values())  # the executor's worker processes
     for p in procs:
         stopping.track(p)  # a second signal kills them at once
@@ -258,9 +310,11 @@ def arm_dirs(out: Path, algos: list[str], seeds: int) -> dict[tuple[str, int], P
 
 
 def run_arms(arm_plans: list[ArmPlan], out: Path, *, seeds: int, parallel: int = 2,
-             console: Console | None = None) -> list[Path]:
+             console: Console | None = None, failures: list[str] | None = None) -> list[Path]:
     """Train and evaluate every arm of ``arm_plans`` (``plan_arms``: the kept ones are not touched); returns their
-    run directories (in algorithm, seed order)."""
+    run directories (in algorithm, seed order). ``failures``: a list that gets one line per arm whose training
+    raised, while the others go on (without it, the first such error is raised); a warm start's error, or a worker
+    that died, stops them all."""
     console = console or Console()
     for a in arm_plans:  # the new arms' folders and config.yaml, every arm checked before (plan_arms)
         prepare_run_dir(a.run_dir, a.resolved, resume=a.state != NEW)
@@ -271,13 +325,13 @@ def run_arms(arm_plans: list[ArmPlan], out: Path, *, seeds: int, parallel: int =
     # the workers ignore Ctrl-C and die with this process (stopping.worker_setup); a signal here stops them
     pool = ProcessPoolExecutor(max_workers=parallel, mp_context=ctx, initializer=stopping.worker_setup,
                                initargs=(os.getpid(),))
-    futures: dict = {}
+    jobs = Jobs(pool, parallel, failures)
     try:
         with Progress(*columns, console=console, transient=False) as progress:
-            _train_arms(plan, pool, futures, progress, out=out, seeds=seeds)
+            _train_arms(plan, jobs, progress, out=out, seeds=seeds)
     except KeyboardInterrupt:  # stopping.Stopped
-        _stop_pool(pool, futures)
+        _stop_pool(pool, jobs)
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)  # nothing waits in the pool (Jobs): nothing to cancel
     return [p[3] for p in plan]
