@@ -101,6 +101,9 @@ class HFBackend:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         self.context_length = hf_context_length(self.model.config, self.tokenizer)
         self.max_batch_tokens = max_batch_tokens or hf_batch_tokens()
+        # on_samples(key, n): told as n more samples of a request are done, during the generate call that makes them
+        # (the harness's progress bar counts samples, not whole problems); None: not told
+        self.on_samples = None
 
     def prompt_text(self, problem: str, instruction: str) -> str:
         return chat_prompt(self.tokenizer, problem, instruction)
@@ -184,7 +187,13 @@ class HFBackend:
             mask[r:r + n, width - len(ids):] = 1
             groups.append((r, r + n, seed, max_new))
             r += n
-        sampler = _ProblemSampler(groups, proto, width, stop=eos if eos is not None else pad, device=self.device)
+        report = None
+        keys = [key for key, *_ in problems]
+        if self.on_samples is not None and None not in keys:  # generate() has no key: its caller counts the problem
+            told = self.on_samples
+            report = lambda g, n: told(keys[g], n)  # noqa: E731 - group index -> the request's key
+        sampler = _ProblemSampler(groups, proto, width, stop=eos if eos is not None else pad, device=self.device,
+                                  report=report)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
@@ -215,9 +224,11 @@ class _ProblemSampler:
     (min_tokens_to_keep 1; no top_k), softmax, and ``torch.multinomial(probs, 1)`` from a generator seeded with
     the problem's seed: the draws ``generate(do_sample=True, num_return_sequences=n, top_k=0)`` makes after
     ``torch.manual_seed(seed)``. Greedy protocols take the arg max. A problem whose ``max_new`` tokens are done gets
-    ``stop`` (its rows are cut at ``max_new`` afterwards)."""
+    ``stop`` (its rows are cut at ``max_new`` afterwards). ``report(group index, n)``, when given, is told as n more
+    rows of a problem end (``stop`` drawn, or its ``max_new`` reached); rows still going when ``generate`` stops are
+    never told (the caller counts what is left)."""
 
-    def __init__(self, groups, proto: Protocol, width: int, *, stop: int, device):
+    def __init__(self, groups, proto: Protocol, width: int, *, stop: int, device, report=None):
         import torch
         from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -228,15 +239,19 @@ class _ProblemSampler:
             TopPLogitsWarper(top_p=proto.top_p) if proto.top_p < 1.0 else None) if w is not None]
         self.groups = [(start, end, None if self.greedy else torch.Generator(device=device).manual_seed(seed),
                         max_new) for start, end, seed, max_new in groups]
+        self.report = report
+        self.ended = [torch.zeros(end - start, dtype=torch.bool, device=device) for start, end, _, _ in groups] \
+            if report is not None else None
 
     def __call__(self, input_ids, scores):
         torch = self.torch
         step = input_ids.shape[1] - self.width
         out = torch.full_like(scores, float("-inf"))
-        for start, end, gen, max_new in self.groups:
+        for g, (start, end, gen, max_new) in enumerate(self.groups):
             rows = slice(start, end)
             if step >= max_new:
                 out[rows, self.stop] = 0.0
+                self._told(g, None)
                 continue
             s = scores[rows]
             if self.greedy:
@@ -247,7 +262,19 @@ class _ProblemSampler:
                 probs = torch.nn.functional.softmax(s, dim=-1)
                 tokens = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)
             out[torch.arange(start, end, device=out.device), tokens] = 0.0
+            self._told(g, tokens == self.stop)
         return out
+
+    def _told(self, g: int, ending) -> None:
+        """Report the rows of group ``g`` that end now (``ending``: a mask of this step's rows; None: all left)."""
+        if self.report is None:
+            return
+        ended = self.ended[g]
+        new = ~ended if ending is None else ending & ~ended
+        n = int(new.sum())
+        if n:
+            ended |= new
+            self.report(g, n)
 
 
 class VLLMBackend:

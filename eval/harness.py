@@ -187,8 +187,9 @@ class _ScoreWriter:
     _END = object()
 
     def __init__(self, path: Path, problems: list[Problem], proto: Protocol, results: dict, *, score_timeout: float,
-                 warn, progress, begin):
+                 warn, progress, begin, counted: dict | None = None):
         self.path, self.f, self.begin = path, None, begin
+        self.counted = {} if counted is None else counted  # problem index -> samples the bar already counted
         self.problems, self.proto, self.results = problems, proto, results
         self.score_timeout, self.warn, self.progress = score_timeout, warn, progress
         self.queue: queue.Queue = queue.Queue()
@@ -223,7 +224,7 @@ class _ScoreWriter:
         os.fsync(self.f.fileno())
         self.results[p.id] = recs
         if self.progress:
-            self.progress(self.proto.k)
+            self.progress(self.proto.k - self.counted.get(i, 0))  # what the engine did not report as it went
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -287,8 +288,16 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
             if p.id in results:
                 progress(proto.k)
     todo = [(i, p) for i, p in enumerate(problems) if p.id not in results]
+    counted: dict[int, int] = {}
+    if progress and hasattr(backend, "on_samples"):  # the bar counts samples as the engine finishes them
+
+        def finished(i: int, n: int) -> None:
+            counted[i] = counted.get(i, 0) + n
+            progress(n)
+
+        backend.on_samples = finished
     writer = _ScoreWriter(samples_path, problems, proto, results, score_timeout=score_timeout, warn=warn,
-                          progress=progress, begin=begin)
+                          progress=progress, begin=begin, counted=counted)
     stream = sample_stream(backend, todo, proto, seed, batching)
     try:
         for i, generated in stream:
@@ -297,6 +306,8 @@ def run_eval(problems: list[Problem], backend, proto: Protocol, out: Path, *, be
         if hasattr(stream, "close"):  # a generator stopped early aborts the requests still in its engine
             stream.close()
         writer.close()
+        if hasattr(backend, "on_samples"):
+            backend.on_samples = None
     begin()
     write_in_order(samples_path, problems, results)
     # of the samples generated: a problem not attempted (its prompt longer than the context) has no response to judge

@@ -242,3 +242,28 @@ def test_one_engine_does_not_import_ray(model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.splitlines()[-1] == "ray not imported"
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["engines"] == 1
+
+
+def test_progress_counts_samples_as_the_engine_ends_them(model, tmp_path):
+    """The bar counts samples (issue 58): with every problem in one generate call, the HF engine reports rows as they
+    draw their end token, before any problem is scored and written; the total is exactly problems x k (rows still
+    going at the limit are counted when their problem is written), and the samples are those of a run without a
+    bar, byte for byte."""
+    proto = Protocol("stare", 6, 1.0, 0.9, 24)
+    calls = []
+
+    def progress(n):
+        path = tmp_path / "with" / "samples.jsonl"
+        calls.append((n, len(path.read_text().splitlines()) if path.exists() else 0))
+
+    with one_thread():
+        backend = HFBackend(str(model))
+        run_eval(PROBLEMS, backend, proto, tmp_path / "with", bench="aime25", model=str(model), seed=SEED,
+                 resume=False, progress=progress, batching="all")
+        assert backend.on_samples is None  # handed back
+        run_eval(PROBLEMS, backend, proto, tmp_path / "without", bench="aime25", model=str(model), seed=SEED,
+                 resume=False, batching="all")
+    assert sum(n for n, _ in calls) == len(PROBLEMS) * proto.k
+    during = [n for n, written in calls if written == 0]
+    assert sum(during) > 0 and any(n < proto.k for n in during), calls  # samples counted one by one, early
+    assert (tmp_path / "with" / "samples.jsonl").read_bytes() == (tmp_path / "without" / "samples.jsonl").read_bytes()
