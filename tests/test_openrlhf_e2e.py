@@ -136,18 +136,18 @@ RUNS = [
     Run("stare-phi-2ranks", "stare-phi", ["gpus_per_node=2", "rollout_micro_batch_size=4", "micro_batch_size=4",
                                           "lr=1e-3"],
         gpus=3),
-    # on the one-GPU preset (the README's first GPU run), sized down like the others: its settings parse, check and
-    # drive the real loop
-    Run("clip-cov", "clip-cov", preset="qwen-1.5b-1gpu"),
-    Run("kl-cov", "kl-cov"),
-    Run("80-20", "80-20", OVERLONG),
-    # the entropy controls, on their defaults: the tiny model's batch entropy (about 0.17) is below entropy-adaptive's
-    # 0.2 target, so its bonus acts from step 1
+    # a token rule (80-20), on the one-GPU preset (the README's first GPU run), sized down like the others: its
+    # settings parse, check and drive the real loop
+    Run("80-20", "80-20", OVERLONG, preset="qwen-1.5b-1gpu"),
+    # the entropy bonus, on its defaults: the tiny model's batch entropy (about 0.17) is below entropy-adaptive's 0.2
+    # target, so its bonus acts from step 1 (OpenRLHF's own entropy term, with this project's chunked entropy)
     Run("entropy-adaptive", "entropy-adaptive"),
-    Run("entropy-adv", "entropy-adv"),
-    # STARE's closest relatives, on their defaults
+    # STARE's closest relative, on its defaults
     Run("dg", "dg"),
-    Run("steer", "steer"),
+    # Not here, to keep CI's real-engine lane in its time: clip-cov and kl-cov (the token-rule seam 80-20 drives;
+    # their selection over two ranks in tests/test_openrlhf_plugin_dist.py), entropy-adv and steer (the loss seam
+    # every run drives; each through OpenRLHF's own ppo_train, gradients checked, in tests/test_openrlhf_plugin.py).
+    # A run of one of them: add its Run(...) line and STARE_E2E_RUNS=<name>.
 ]
 STEPS = {r.name: r.steps for r in RUNS}
 KILLED = [r.name for r in RUNS if r.expect_rc != 0]
@@ -636,17 +636,13 @@ def test_two_deepspeed_ranks_ran_zero3_with_the_statistics_all_reduced(results):
     assert all(8 <= v <= 24 * 16 for v in tokens.values()), tokens
 
 
-def test_kl_cov_and_clip_cov_and_80_20_apply_their_rules(results):
-    for name, tag in (("clip-cov", "train/stare/masked_share"), ("80-20", "train/stare/masked_share"),
-                      ("kl-cov", "train/stare/penalised_share")):
-        r = ok(results, name)
-        share = scalars(r.out).get(tag)
-        if not share:
-            r.fail(f"no {tag}")
-        assert all(0 <= v <= 1 for v in share.values()), (name, share)
-    # 80-20 keeps the top 20% of tokens by entropy: about 80% of the response tokens are masked
-    share = scalars(results["80-20"].out)["train/stare/masked_share"]
-    assert all(0.6 <= v <= 0.85 for v in share.values()), share
+def test_80_20_applies_its_token_rule(results):
+    """80-20 keeps the top 20% of tokens by entropy: about 80% of the response tokens are masked at every step."""
+    r = ok(results, "80-20")
+    share = scalars(r.out).get("train/stare/masked_share")
+    if not share:
+        r.fail("no train/stare/masked_share")
+    assert set(share) == {1, 2} and all(0.6 <= v <= 0.85 for v in share.values()), share
 
 
 def test_entropy_adaptive_moves_its_coefficient_by_the_rule_and_openrlhf_applies_it(results):
@@ -681,36 +677,15 @@ def test_entropy_adaptive_moves_its_coefficient_by_the_rule_and_openrlhf_applies
         assert (0 < share < 1) if path[step] else share == 0, (step, share)
 
 
-def test_entropy_adv_shapes_the_advantages_of_the_tokens_it_should(results):
-    """entropy-adv's telemetry at both steps: some tokens with A != 0 shaped (their entropy > 0), shares in [0, 1]."""
-    r = ok(results, "entropy-adv")
-    tags = scalars(r.out)
-    for tag in ("train/stare/shaped_share", "train/stare/shaping_clipped_share"):
-        assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
-        assert all(0 <= v <= 1 for v in tags[tag].values()), (tag, tags[tag])
-    assert all(v > 0 for v in tags["train/stare/shaped_share"].values()), tags["train/stare/shaped_share"]
-
-
-def test_dg_and_steer_weigh_the_tokens_they_should(results):
-    """dg's gate and steer's weights at both steps, from their telemetry: the gate's mean strictly inside (0, 1) over
-    the A != 0 tokens (a sigmoid of finite delights) with its near-0 / near-1 shares in [0, 1]; steer's weights in
-    [0.8, 1) on average, every response token reweighted (each has an estimated change), its shares in [0, 1]. (The
-    tiny model's largest estimated change is under steer's 0.02 floor of the max, measured 0.9986 as the mean
-    weight, so no token reaches 0.8 here; tests/test_steer.py checks the floor.)"""
+def test_dg_gates_the_tokens_it_should(results):
+    """dg's gate at both steps, from its telemetry: the gate's mean strictly inside (0, 1) over the A != 0 tokens (a
+    sigmoid of finite delights) with its near-0 / near-1 shares in [0, 1]."""
     tags = scalars(ok(results, "dg").out)
     for tag in ("train/stare/gate_mean", "train/stare/gate_low_share", "train/stare/gate_high_share"):
         assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
     assert all(0 < v < 1 for v in tags["train/stare/gate_mean"].values()), tags["train/stare/gate_mean"]
     assert all(0 <= v <= 1 for tag in ("train/stare/gate_low_share", "train/stare/gate_high_share")
                for v in tags[tag].values())
-    tags = scalars(ok(results, "steer").out)
-    for tag in ("train/stare/mean_weight", "train/stare/steer_floor_share", "train/stare/steer_raise_share",
-                "train/stare/positive_reweight_ratio"):
-        assert set(tags.get(tag, {})) == {1, 2}, (tag, sorted(tags))
-    for step in (1, 2):
-        assert 0.8 - 1e-6 <= tags["train/stare/mean_weight"][step] < 1.0, tags["train/stare/mean_weight"]
-        assert tags["train/stare/positive_reweight_ratio"][step] > 0
-        assert all(0 <= tags[t][step] <= 1 for t in ("train/stare/steer_floor_share", "train/stare/steer_raise_share"))
 
 
 def test_compare_gives_the_run_a_row_with_entropy_and_reward(results, work):
