@@ -28,7 +28,7 @@ from typing import Any, NoReturn, Sequence
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 try:  # typer >= 0.24 carries its own copy of click
     from typer._click import exceptions as _click_exceptions
@@ -57,6 +57,11 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error and exit (code 2: bad usage). ``message`` is plain text, never markup."""
     _print_error(message)
     raise typer.Exit(code)
+
+
+def warning(line: str) -> None:
+    """One ``warning:`` line on stderr (plain text, never markup)."""
+    err_console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def plain(console: Console):
@@ -270,3 +275,11 @@ def check_model_source(model: str, flag: str = "--model", timeout: float = 5.0) 
         fail(f"{flag} {model}: {where}, and no hub model {model!r} in the local hub cache ({_hub_cache_dir()}; "
              f"{why}); check the path, or download the model first")
     fail(f"{flag} {model}: {where}, and {why}; check the path")
+
+
+class PlainUsage(TyperCommand):
+    """A usage line that names a required argument as ``DIR...`` (the newer typer writes ``{DIR}...``, which reads as
+    a template left unfilled)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [re.sub(r"^\{([^{}]*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]

@@ -252,6 +252,26 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
                     tools, tool_config, engines, ray_address, batching)
 
 
+def evaluate(console, *, checkpoints: str | None, **flags) -> None:
+    """``stare eval`` after its flags are parsed (``flags``: ``plan_eval``'s keywords): one evaluation, or with
+    ``checkpoints`` (all, every:N) one per policy the training run in ``--out`` kept; a line per summary."""
+    from rich.markup import escape
+
+    from stare.eval.summary import scores_line
+
+    bench = flags["bench"]
+    if checkpoints is not None:
+        from .eval_sweep import plan_sweep, run_sweep
+
+        for p, summary in run_sweep(plan_sweep(spec=checkpoints, **flags), console):
+            console.print(f"{bench} step {p.step}: {scores_line(summary)}  -> {escape(str(p.plan.out))}/summary.md")
+        return
+    plan = plan_eval(**flags)
+    summary = run_eval_plan(plan, console)
+    console.print(f"{bench} ({summary['n_problems']} problems, {plan.how}): {scores_line(summary)}  -> "
+                  f"{escape(str(plan.out))}/summary.md")
+
+
 def run_eval_plan(plan: EvalPlan, console) -> dict:
     """Load the model and evaluate (a progress bar for the stare harness); returns the summary (summary.json).
     The evaluation folder is locked meanwhile (``folder_lock``); a stop (``stopping``) keeps every problem whose

@@ -16,6 +16,7 @@ so no worker outlives a parent that was killed outright.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
@@ -245,3 +246,16 @@ def stop_on_signals(say=None):
         _state.active = False
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def stoppable(command):
+    """A decorator for a long command that SIGINT (Ctrl-C) and SIGTERM stop cleanly (``stop_on_signals``, its
+    messages on stderr as plain text)."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from .errors import err_console
+
+        say = lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+        with stop_on_signals(say):
+            return command(*args, **kwargs)
+    return wrapper

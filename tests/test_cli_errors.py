@@ -425,11 +425,11 @@ def test_pip_filter_replaces_only_the_expected_resolver_report():
 
 
 def test_presets_table_prints_descriptions_as_typed(monkeypatch):
-    from stare.cli import main as cli_main
+    from stare.cli import listing
     from stare.cli.presets import Preset
 
-    monkeypatch.setattr(cli_main, "preset_names", lambda: ["x"])
-    monkeypatch.setattr(cli_main, "load_preset", lambda name: Preset("x", "needs pip install 'stare[openrlhf]' [red]", "local", {}))
+    monkeypatch.setattr(listing, "preset_names", lambda: ["x"])
+    monkeypatch.setattr(listing, "load_preset", lambda name: Preset("x", "needs pip install 'stare[openrlhf]' [red]", "local", {}))
     res = invoke("presets")
     assert res.exit_code == 0 and "pip install 'stare[openrlhf]' [red]" in res.stdout, res.stdout
 

@@ -106,6 +106,17 @@ def _train(resolved: dict, out: Path, resume: bool, console: Console) -> dict:
         return trainer.run(resume=resume, on_step=on_step)
 
 
+def held_out_line(result: dict) -> str:
+    """A local run's eval.json on one line: held-out avg@k, pass@k, greedy accuracy (and the hard cases')."""
+    k = result["k"]
+    line = (f"held-out avg@{k} {result['avg_at_k']:.3f}  pass@{k} {result['pass_at_k']:.3f}  "
+            f"greedy {result['greedy_accuracy']:.3f}")
+    if result.get("hard"):
+        h = result["hard"]
+        line += f"  |  hard cases: avg@{k} {h['avg_at_k']:.3f} pass@{k} {h['pass_at_k']:.3f}"
+    return line
+
+
 KEPT, RESUME, NEW = "kept", "resume", "new"
 
 
