@@ -134,3 +134,15 @@ def summarise(problems, results, proto: Protocol, *, bench, model, backend, seed
                         + (f", batching {batching}" if batching else "") + f"; seed {seed}; {len(problems)} problems",
                   extra_rows=extra_rows)
     return summary
+
+
+def read_summary(folder: Path) -> dict:
+    """``folder/summary.json`` (a ``stare eval`` output); ValueError naming the file when it is not readable."""
+    path = Path(folder) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("bench"), str):
+        raise ValueError(f"{path} is malformed: expected a JSON object with a bench name")
+    return summary

@@ -82,18 +82,6 @@ def check_harness(harness: str, bench: str, *, resume: bool, tools: str | None) 
             raise ValueError("--resume works with --harness stare only; lm-eval runs a task from the start")
 
 
-def check_tool_isolation(tool_config) -> str:
-    """The isolation the tool sandbox gets on this machine (``ToolConfig.resolve_isolation``); ``CliError`` with its
-    one line where the asked-for one (``namespaces`` by default) is unavailable. ``stare train`` of the tool-use
-    preset checks it too."""
-    from .agent.sandbox import SandboxError
-
-    try:
-        return tool_config.resolve_isolation()
-    except SandboxError as exc:
-        raise CliError(str(exc)) from None
-
-
 AUTO = "auto"  # --engines auto: as many engines as the GPUs hold (auto_layout)
 
 
@@ -247,6 +235,8 @@ def plan_eval(*, bench: str, model: str | None, out: Path | None, protocol: str,
         raise CliError(str(exc)) from None
     errors.check_model_source(model)  # before loading: a mistyped path is not a hub id to retry for a minute
     if tool_config is not None:  # the sandbox's isolation here (namespaces unless asked otherwise), before loading
+        from .agent.loop import check_tool_isolation
+
         check_tool_isolation(tool_config)
     return EvalPlan(bench, model, out_dir, proto, backend, harness, tp, seed, resume, limit, local, data, problems,
                     tools, tool_config, engines, ray_address, batching)

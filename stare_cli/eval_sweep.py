@@ -102,10 +102,9 @@ def plan_sweep(*, out: Path, spec: str, bench: str, model: str | None, harness: 
 def run_sweep(plans: list[StepPlan], console) -> list[tuple[StepPlan, dict]]:
     """Evaluate the steps not yet done, in order (one progress bar per step, as ``stare eval``); returns each
     step's summary (a kept step's from its summary.json)."""
-    from stare.eval.summary import scores_line
+    from stare.eval.summary import read_summary, scores_line
 
     from .eval_plan import run_eval_plan
-    from .report.runs import read_summary
 
     out = []
     todo = sum(not p.done for p in plans)

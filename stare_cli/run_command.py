@@ -97,7 +97,10 @@ def run_arm_set(arm_set, out: Path, *, preset: str, sets: list[str], parallel: O
         dump({"preset": arm_set.preset, "out": str(out), "arms": arm_set.arms, "seeds": arm_set.seeds,
               "runs": [a.to_json() for a in plan_run_set(arm_set, out, resume=resume)]})
         return
-    failures = run_set(arm_set, out, resume=resume, parallel=parallel or 2, console=console)
+    from .report.compare import compare
+
+    failures = run_set(arm_set, out, resume=resume, parallel=parallel or 2, console=console,
+                       report=lambda finished, failed: compare(finished, out, notes=failed))
     if (out / "comparison.md").is_file():
         print_comparison(out, console)
         plots = sorted(p.name for p in out.glob("*.png"))

@@ -620,7 +620,7 @@ def test_the_gpu_preset_setting_decides_the_training_sandboxs_isolation(monkeypa
 
     sets = ["cold_start_checkpoint=owner/qwen2.5-7b-sft"]
     checked = []
-    monkeypatch.setattr("stare.cli.eval_plan.check_tool_isolation", lambda config: checked.append(config.isolation))
+    monkeypatch.setattr("stare.cli.agent.loop.check_tool_isolation", lambda config: checked.append(config.isolation))
     monkeypatch.setenv("STARE_SANDBOX_ISOLATION", "namespaces")  # the shell's value, which the setting overrides
     for value in ("namespaces", "auto", "basic"):
         resolved = resolve("qwen-7b-tool-use", "grpo", sets + [f"sandbox_isolation={value}"])

@@ -95,6 +95,19 @@ class ToolConfig:
         return resolve_isolation(self.isolation)
 
 
+def check_tool_isolation(tool_config) -> str:
+    """The isolation the tool sandbox gets on this machine (``ToolConfig.resolve_isolation``); ``CliError`` with its
+    one line where the asked-for one (``namespaces`` by default) is unavailable. ``stare train`` of the tool-use
+    preset checks it too."""
+    from ..errors import CliError
+    from .sandbox import SandboxError
+
+    try:
+        return tool_config.resolve_isolation()
+    except SandboxError as exc:
+        raise CliError(str(exc)) from None
+
+
 @dataclass
 class ToolCall:
     code: str

@@ -162,14 +162,13 @@ def plan_run_set(arm_set, out: Path, *, resume: bool) -> list[ArmPlan]:
         raise CliError(str(exc)) from None
 
 
-def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console) -> list[str]:
+def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console, report) -> list[str]:
     """``stare run``: every arm and seed of ``arm_set`` (a ``stare.cli.run_set.RunSet``) trained and evaluated in
-    ``out`` (``run_arms``), then the comparison of those that finished (``report.compare``, as ``stare compare``
-    writes it: ``comparison.md``/``.csv``/``.json`` and the plots). An arm that fails does not stop the others (the
-    policy of a GPU preset's ``stare run``): returns the failures, one line each, which are also the table's notes;
-    ``--resume`` retries them."""
+    ``out`` (``run_arms``), then ``report(finished, failures)`` with the folders of those that finished, while ``out``
+    is still locked (``stare.cli.run_command`` passes the comparison, ``report.compare``: this engine never imports
+    the report). An arm that fails does not stop the others (the policy of a GPU preset's ``stare run``): returns the
+    failures, one line each, which are also the table's notes; ``--resume`` retries them."""
     from ..errors import check_out_dir
-    from ..report.compare import compare
 
     first = next(iter(arm_set.resolved.values()))  # the arms share the preset's settings
     check_device(first)
@@ -189,7 +188,7 @@ def run_set(arm_set, out: Path, *, resume: bool, parallel: int, console: Console
             raise CliError(str(exc)) from None
         finished = [d for d in dirs if (d / "eval.json").is_file()]
         if finished:
-            compare(finished, out, notes=failures)
+            report(finished, failures)
         return failures
 
 

@@ -145,8 +145,7 @@ def _check_tool_sandbox(worker_env: dict[str, str]) -> None:
     the preset's ``sandbox_isolation``), but before Ray and the GPUs start."""
     import os
 
-    from ..agent.loop import ToolConfig
-    from ..eval_plan import check_tool_isolation
+    from ..agent.loop import ToolConfig, check_tool_isolation
 
     try:
         config = ToolConfig.from_env({**os.environ, **worker_env})  # Ray's runtime_env overrides the shell's

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from stare.cli.report.dose_response import plot as plot_dose_response
 from stare.cli.report.plots import CURVES, plot_accuracy, plot_curves
-from stare.cli.report.runs import load_run, read_checkpoint_curves, read_evals, read_summary
+from stare.cli.report.runs import load_run, read_checkpoint_curves, read_evals
 from stare.cli.report.tables import write_comparison
 from stare.cli.report.tensorboard_runs import event_dirs, load_tb_run, run_root
+from stare.eval.summary import read_summary
 
 REFLECTION_CURVE = ("reflection_rate", "reflection words per 1k tokens", "reflection.png")
 

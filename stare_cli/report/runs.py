@@ -30,6 +30,7 @@ from pathlib import Path
 from stare.algorithms import upgrade_metric_names
 from stare.eval.data import BENCHES
 from stare.eval.metrics import compared
+from stare.eval.summary import read_summary
 
 from ..presets import read_config
 
@@ -56,18 +57,6 @@ class Run:
 
 
 BENCH_ORDER = tuple(BENCHES)  # the order of the comparison's bench columns: the benchmarks' own
-
-
-def read_summary(folder: Path) -> dict:
-    """``folder/summary.json`` (a ``stare eval`` output); ValueError naming the file when it is not readable."""
-    path = Path(folder) / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not readable JSON: {exc}") from None
-    if not isinstance(summary, dict) or not isinstance(summary.get("bench"), str):
-        raise ValueError(f"{path} is malformed: expected a JSON object with a bench name")
-    return summary
 
 
 def read_evals(folder: Path) -> dict[str, dict]:
