@@ -115,7 +115,10 @@ class PaperGate:
 
 
 class BandGate:
-    """Target band [low, high]: proportional push up below ``target``, dead zone above, optional push down."""
+    """Target band [low, high]: proportional push up below ``target``, dead zone above, optional push down.
+
+    ``w``, ``m`` and ``damp`` (the weights at full strength) have no defaults here: an algorithm's own come from its
+    ``AlgoConfig`` (``make_controller``), so there is one place that says what they are."""
 
     def __init__(
         self,
@@ -123,9 +126,9 @@ class BandGate:
         high: float = 0.45,
         *,
         target: float | None = None,
-        w: float = 1.5,
-        m: float = 0.5,
-        damp: float = 0.5,
+        w: float,
+        m: float,
+        damp: float,
         gain: float = 1.0,
         two_sided: bool = False,
     ):

@@ -3,6 +3,8 @@ import pytest
 
 from stare.algorithms import BandGate, PaperGate
 
+FULL = dict(w=1.5, m=0.5, damp=0.5)  # a band gate's weights at full strength (BandGate has no defaults for them)
+
 
 def test_paper_gate_binary():
     gate = PaperGate(target_entropy=0.3)
@@ -24,7 +26,7 @@ def test_paper_gate_adaptive_sequence_by_hand():
 
 
 def test_band_gate_sequence_by_hand():
-    assert BandGate(0.3, 0.45).target == 0.45  # the default target is the top of the band
+    assert BandGate(0.3, 0.45, **FULL).target == 0.45  # the default target is the top of the band
     gate = BandGate(0.3, 0.45, target=0.375, w=1.5, m=0.5, damp=0.5)
     cases = {  # H: (strength, gate_on)
         0.5: (0.0, False),     # above the band, one-sided: off
@@ -39,7 +41,7 @@ def test_band_gate_sequence_by_hand():
         assert st.strength == pytest.approx(s) and st.gate_on == on and st.direction == 1
         assert st.w == pytest.approx(1 + s * 0.5) and st.m == pytest.approx(1 - s * 0.5)
         assert st.damp == pytest.approx(1 - s * 0.5)
-    two = BandGate(0.3, 0.45, target=0.4, two_sided=True, gain=2.0)
+    two = BandGate(0.3, 0.45, target=0.4, two_sided=True, gain=2.0, **FULL)
     st = two.update(0.475)  # excess 0.025 over a span of 0.05, gain 2 -> 1.0
     assert st.direction == -1 and st.strength == pytest.approx(1.0) and st.gate_on
     st = two.update(0.4625)
@@ -77,7 +79,7 @@ def test_band_gate_at_and_beside_both_edges_with_the_default_target(two_sided):
 
 @pytest.mark.parametrize("make", [
     lambda: PaperGate(0.3, adaptive=True, alpha=0.05),
-    lambda: BandGate(0.2, 0.5, two_sided=True),
+    lambda: BandGate(0.2, 0.5, two_sided=True, **FULL),
 ])
 def test_state_round_trip_resumes_identically(make):
     seq = [0.6, 0.25, 0.1, 0.35, 0.45, 0.7, 0.2, 0.15, 0.5, 0.28]
@@ -96,7 +98,7 @@ def test_state_round_trip_resumes_identically(make):
 
 def test_state_of_another_kind_is_refused():
     with pytest.raises(ValueError, match="kind 'band'"):
-        PaperGate().load_state_dict(BandGate().state_dict())
+        PaperGate().load_state_dict(BandGate(**FULL).state_dict())
 
 
 @pytest.mark.parametrize("make, pattern", [
@@ -104,10 +106,10 @@ def test_state_of_another_kind_is_refused():
     (lambda: PaperGate(w=0.0), "w must be in \\(0"),
     (lambda: PaperGate(m=-0.5), "m must be in \\(0"),
     (lambda: PaperGate(adaptive=True, w=2.0, w_max=1.5), "w must be in \\[1, 1.5\\]"),
-    (lambda: BandGate(0.5, 0.3), "band low must be <= band high"),
-    (lambda: BandGate(0.0, 0.3), "band low must be in \\(0"),
-    (lambda: BandGate(0.3, 0.4, target=0.5), "target must be in \\[0.3, 0.4\\]"),
-    (lambda: BandGate(m=1.5), "m must be in \\(0, 1\\]"),
+    (lambda: BandGate(0.5, 0.3, **FULL), "band low must be <= band high"),
+    (lambda: BandGate(0.0, 0.3, **FULL), "band low must be in \\(0"),
+    (lambda: BandGate(0.3, 0.4, target=0.5, **FULL), "target must be in \\[0.3, 0.4\\]"),
+    (lambda: BandGate(w=1.5, m=1.5, damp=0.5), "m must be in \\(0, 1\\]"),
 ])
 def test_bad_parameters(make, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -118,3 +120,15 @@ def test_bad_entropy_values():
     for bad in (float("nan"), float("inf"), -0.1):
         with pytest.raises(ValueError, match="batch_entropy"):
             PaperGate().update(bad)
+
+
+def test_the_band_gate_takes_its_weights_from_the_algorithm():
+    """BandGate has no weights of its own: without w, m and damp it is refused, and an algorithm's gate carries the
+    algorithm's (stare-phi: W 2, M 0.05, damp 0.2 in the registry)."""
+    from stare.algorithms import get_algorithm
+
+    with pytest.raises(TypeError):
+        BandGate(0.3, 0.45)
+    gate = get_algorithm("stare-phi").make_controller()
+    st = gate.update(0.0)  # far below the band: full strength
+    assert st.strength == 1.0 and (st.w, st.m, st.damp) == pytest.approx((2.0, 0.05, 0.2))
