@@ -244,16 +244,30 @@ def run_measures(run: Run) -> dict:
 
 # The selection telemetry (``stare.algorithms.METRICS``): measure name -> metrics key. Each is a run's mean over the
 # steps that logged the key (gate_on's mean is the share of steps with the gate on); None when no step did.
-TELEMETRY: dict[str, str] = {
-    "gate_on_share": "stare/gate_on",
-    "mean_weight": "stare/mean_weight",
-    "boosted_phi_pos_share": "stare/boosted_phi_pos_share",
-    "lowered_phi_pos_share": "stare/lowered_phi_pos_share",
-    "masked_share": "stare/masked_share",
-    "penalised_share": "stare/penalised_share",
-    "entropy_forecast": "stare/entropy_forecast",
-    "entropy_forecast_base": "stare/entropy_forecast_base",
-}
+@dataclass(frozen=True)
+class Telemetry:
+    """One column of the comparison's selection telemetry: the measure's name, the metric the engines log (its
+    meaning: ``stare.algorithms.step.METRICS``), the table's header, its digits, and whether it is signed (written
+    as +1.00e-03)."""
+    name: str
+    key: str
+    header: str
+    digits: int = 3
+    signed: bool = False
+
+
+# the selection telemetry, written once: what each run's mean is taken of, and how the table shows it
+TELEMETRY_COLUMNS: tuple[Telemetry, ...] = (
+    Telemetry("gate_on_share", "stare/gate_on", "gate on"),
+    Telemetry("mean_weight", "stare/mean_weight", "mean weight"),
+    Telemetry("boosted_phi_pos_share", "stare/boosted_phi_pos_share", "boosted Phi>0"),
+    Telemetry("lowered_phi_pos_share", "stare/lowered_phi_pos_share", "lowered Phi>0"),
+    Telemetry("masked_share", "stare/masked_share", "masked"),
+    Telemetry("penalised_share", "stare/penalised_share", "penalised"),
+    Telemetry("entropy_forecast", "stare/entropy_forecast", "forecast", 2, True),
+    Telemetry("entropy_forecast_base", "stare/entropy_forecast_base", "forecast unweighted", 2, True),
+)
+TELEMETRY: dict[str, str] = {t.name: t.key for t in TELEMETRY_COLUMNS}  # measure -> logged metric
 
 
 def run_telemetry(run: Run) -> dict[str, float | None]:

@@ -18,7 +18,7 @@ pass@k and the permutation-test p against the baseline; then, when any row has `
 when any run has an accuracy-over-training curve (``runs.Run.curves``), its best and its last point per
 curve (``<key>_best_*``, ``<key>_last_*`` in the CSV, with their steps). The CSV also has the late response length. A value that cannot be computed is a blank cell, never 0.
 
-When any run logged the selection telemetry (``runs.TELEMETRY``: gate-on share, mean weight, the Phi > 0
+When any run logged the selection telemetry (``runs.TELEMETRY_COLUMNS``: gate-on share, mean weight, the Phi > 0
 shares of the boosted and lowered tokens, masked and penalised shares, the entropy forecast with and without the
 weights), comparison.md ends with a second table, "Selection telemetry", one row per arm, and each arm in
 comparison.json has the same numbers under ``telemetry`` (per run under ``runs[i]["telemetry"]``).
@@ -35,8 +35,8 @@ from stare.eval.metrics import compared, permutation_test
 
 from . import dose_response
 from .arms import arm_labels, arm_sweep, common, group_arms, reference_band
-from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, Run, aggregate, common_k, held_out, ordered_benches, run_band,
-                   summarise_arm, summarise_benches)
+from .runs import (FINAL_PCT, LATE_PCT, SLOPE_PCT, TELEMETRY_COLUMNS, Run, aggregate, common_k, held_out,
+                   ordered_benches, run_band, summarise_arm, summarise_benches)
 from .seeds import DEFAULT_BASELINES, SEED_MEASURES, default_baseline, find_baseline, seed_tests
 
 # what runs may differ in and still be compared as like for like: the seed (the arms' replicates), and what a resume
@@ -116,23 +116,15 @@ def _curve_cell(curve: dict | None, which: str, n_seeds: int) -> str:
     return _cell(curve[which], n_seeds) + f" (step {curve[f'{which}_step']})"
 
 
-# the selection telemetry table: (measure in runs.TELEMETRY, header, digits, scientific: signed, as +1.00e-03)
-TELEMETRY_COLUMNS = (("gate_on_share", "gate on", 3, False), ("mean_weight", "mean weight", 3, False),
-                     ("boosted_phi_pos_share", "boosted Phi>0", 3, False),
-                     ("lowered_phi_pos_share", "lowered Phi>0", 3, False), ("masked_share", "masked", 3, False),
-                     ("penalised_share", "penalised", 3, False), ("entropy_forecast", "forecast", 2, True),
-                     ("entropy_forecast_base", "forecast unweighted", 2, True))
-
-
 def _telemetry_md(arms: list[dict]) -> list[str]:
     """The "Selection telemetry" section of comparison.md (no lines when no arm logged any of it)."""
     if not any(agg["n"] for a in arms for agg in a["telemetry"].values()):
         return []
-    titles = ["arm", "seeds"] + [c[1] for c in TELEMETRY_COLUMNS]
+    titles = ["arm", "seeds"] + [c.header for c in TELEMETRY_COLUMNS]
     md = ["", "## Selection telemetry", "", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for a in arms:
-        cells = [a["label"], str(a["n_seeds"])] + [_cell(a["telemetry"][c[0]], a["n_seeds"], signed=c[3], digits=c[2],
-                                                         scientific=c[3]) for c in TELEMETRY_COLUMNS]
+        cells = [a["label"], str(a["n_seeds"])] + [_cell(a["telemetry"][c.name], a["n_seeds"], signed=c.signed,
+                                                         digits=c.digits, scientific=c.signed) for c in TELEMETRY_COLUMNS]
         md.append("| " + " | ".join(cells) + " |")
     md += ["", "Each run's mean over the steps that logged the metric (blank: never logged), then mean ± sample std "
            "over seeds. gate on: share of steps with the entropy gate on (`stare/gate_on`); mean weight: mean token "

@@ -31,7 +31,7 @@ TB_TAGS: dict[str, tuple[str, ...]] = {
     "stare/gate_on": ("train/stare/gate", "train/stare/gate_on"),  # the plugin's ControllerState.as_metrics: gate_on
     "stare/w": ("train/stare/w",),
     "stare/m": ("train/stare/m",),
-    # the selection telemetry (``runs.TELEMETRY``); runs written before the rename logged boosted_raise_share
+    # the selection telemetry (``runs.TELEMETRY_COLUMNS``); runs written before the rename logged boosted_raise_share
     "stare/mean_weight": ("train/stare/mean_weight",),
     "stare/boosted_phi_pos_share": ("train/stare/boosted_phi_pos_share", "train/stare/boosted_raise_share"),
     "stare/lowered_phi_pos_share": ("train/stare/lowered_phi_pos_share",),
