@@ -273,6 +273,9 @@ def test_the_memory_items_micro_batch_has_the_gradients_of_openrlhfs_loss_on_cpu
     model = gc.build_model(TINY_QWEN2, "cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.is_gradient_checkpointing
     assert model.training and model.config._attn_implementation == "sdpa"
+    # compared in float32: in bfloat16 the bonus's share of the gradient (0.3-0.8% of its norm) is about one rounding,
+    # so the two paths' roundings (which differ with the CPU's kernels: AVX2 against AVX-512) would hide it
+    model.float()
     ids = torch.randint(0, 300, (1, 40))
     for bonus in (False, True):
         model.zero_grad(set_to_none=True)
@@ -287,7 +290,7 @@ def test_the_memory_items_micro_batch_has_the_gradients_of_openrlhfs_loss_on_cpu
         want.backward()
         assert float(loss) == pytest.approx(want.item(), rel=1e-5)
         for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad.float(), rtol=0.02, atol=1e-3 * float(p.grad.float().abs().max()))
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()))
 
 
 def test_the_memory_item_walks_through_on_cpu_with_stubbed_counters(monkeypatch):
