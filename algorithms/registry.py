@@ -328,13 +328,33 @@ ALGORITHMS: dict[str, AlgoConfig] = {
 }
 
 
+def unknown_algorithm(name: str) -> str:
+    """The one line for a name that is no algorithm of the registry, listing the valid ones (every check of an
+    algorithm name, in the registry and on the command line, says this)."""
+    return f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}"
+
+
+def parse_algorithm_list(text: str) -> list[str]:
+    """The algorithms of a comma-separated list (``stare run --algos``, the ``algos`` setting); ``ValueError`` (one
+    line) for none, an unknown one or one named twice."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    if not arms:
+        raise ValueError(f"no algorithm named; give one or more, comma-separated, of: {', '.join(ALGORITHMS)}")
+    unknown = [a for a in arms if a not in ALGORITHMS]
+    if unknown:
+        raise ValueError(unknown_algorithm(unknown[0]))
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"lists an algorithm twice: {text!r}")
+    return arms
+
+
 def get_algorithm(name: str, **overrides) -> AlgoConfig:
     """The named algorithm's settings with ``overrides`` applied, validated.
 
     Raises ``ValueError`` naming an unknown algorithm or setting and listing the valid ones.
     """
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        raise ValueError(unknown_algorithm(name))
     unknown = [k for k in overrides if k not in SETTING_NAMES]
     if unknown:
         raise ValueError(f"unknown algorithm setting {unknown[0]!r}; valid settings: {', '.join(SETTING_NAMES)}")

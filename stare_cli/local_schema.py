@@ -24,15 +24,13 @@ MAX_SEED = 2**32 - 1
 
 
 def check_algos(value: str) -> str | None:
-    from stare.algorithms import ALGORITHMS
+    """The ``algos`` setting: ``registry.parse_algorithm_list``'s line, or None when the list is good."""
+    from stare.algorithms.registry import parse_algorithm_list
 
-    arms = [a.strip() for a in value.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ALGORITHMS]
-    if unknown or not arms:
-        return (f"unknown algorithm {unknown[0] if unknown else value!r}; valid algorithms (comma-separated): "
-                f"{', '.join(ALGORITHMS)}")
-    if len(set(arms)) != len(arms):
-        return f"lists an algorithm twice: {value!r}"
+    try:
+        parse_algorithm_list(value)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

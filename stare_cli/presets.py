@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from stare.algorithms import ALGORITHMS, SETTING_NAMES, get_algorithm
-from stare.algorithms.registry import ALGO_SCHEMA
+from stare.algorithms.registry import ALGO_SCHEMA, unknown_algorithm
 from stare.algorithms.settings import Setting
 from stare.eval.jsonl import decode_utf8
 
@@ -225,7 +225,7 @@ def parse_preset_data(data: dict, *, source: str, expected_name: str | None = No
         raise PresetError(f"preset {source}: field 'algorithms' must be a mapping of algorithm name to settings")
     for algo, overrides in algos.items():
         if algo not in ALGORITHMS:
-            raise PresetError(f"preset {source}: unknown algorithm {algo!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+            raise PresetError(f"preset {source}: {unknown_algorithm(algo)}")
         if not isinstance(overrides, dict):
             raise PresetError(f"preset {source}: algorithms.{algo} must be a mapping of settings")
         try:
@@ -275,7 +275,7 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
     """The fully resolved settings of one run: preset settings + algorithm (registry, preset, --set)."""
     preset = load_preset(preset_name)
     if algo not in ALGORITHMS:
-        raise PresetError(f"unknown algorithm {algo!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        raise PresetError(unknown_algorithm(algo))
     settings = dict(preset.settings)
     algo_over = dict(preset.algorithms.get(algo, {}))
     given: dict[str, str] = {}  # the run settings set here, with the text given (for the messages)

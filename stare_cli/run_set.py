@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stare.algorithms import ALGORITHMS
+from stare.algorithms.registry import parse_algorithm_list
 
 from .presets import PresetError, load_preset, resolve
 from .sweep import expand, parse_label, parse_sweeps
@@ -40,18 +40,11 @@ class RunSet:
 
 def parse_arms(text: str, flag: str = "--algos") -> list[str]:
     """The algorithms of a comma-separated ``flag`` value; ``PresetError`` naming the flag and the value for none, an
-    unknown one or one named twice."""
-    arms = [a.strip() for a in text.split(",") if a.strip()]
-    if not arms:
-        raise PresetError(f"{flag} {text!r}: no algorithm named; give one or more, comma-separated, of: "
-                          f"{', '.join(ALGORITHMS)}")
-    unknown = [a for a in arms if a not in ALGORITHMS]
-    if unknown:
-        raise PresetError(f"{flag} {text!r}: unknown algorithm {unknown[0]!r}; valid algorithms: "
-                          f"{', '.join(ALGORITHMS)}")
-    if len(set(arms)) != len(arms):
-        raise PresetError(f"{flag} lists an algorithm twice: {text!r}")
-    return arms
+    unknown one or one named twice (``registry.parse_algorithm_list``)."""
+    try:
+        return parse_algorithm_list(text)
+    except ValueError as exc:
+        raise PresetError(f"{flag} {text!r}: {exc}") from None
 
 
 def resolve_run_set(preset: str, sets: list[str], *, algos: str | None = None, seeds: int | None = None,

@@ -584,3 +584,20 @@ def test_a_flag_and_a_set_of_its_setting_are_refused_together(flag, value, item)
     line = one_line(invoke("run", "--preset", preset, flag, value, "--set", item, "--dry-run"))
     assert line == (f"error: {flag} {value} and --set {item} are both given; give one of them ({flag} sets the "
                     f"{item.split('=')[0]} setting)")
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "--preset", "tiny-cpu", "--algo", "ppo", "--dry-run"],
+    ["train", "--preset", "qwen-7b-short-cot", "--algo", "ppo", "--dry-run"],
+    ["run", "--preset", "tiny-cpu", "--algos", "grpo,ppo", "--dry-run"],
+    ["run", "--preset", "tiny-cpu", "--set", "algos=grpo,ppo", "--dry-run"],
+    ["run", "--preset", "qwen-7b-short-cot", "--algos", "ppo", "--dry-run"],
+])
+def test_an_unknown_algorithm_is_said_one_way_everywhere(args, tmp_path):
+    """Each way of naming an algorithm ends its one line with the same words: the name and every valid one, in the
+    registry's order (written out here from stare algos' table, not from the code's message)."""
+    from stare.algorithms import ALGORITHMS
+
+    line = one_line(invoke(*args, "--out", str(tmp_path / "out")))
+    assert line.endswith("unknown algorithm 'ppo'; valid algorithms: " + ", ".join(ALGORITHMS)), line
+    assert not (tmp_path / "out").exists()

@@ -203,3 +203,29 @@ def test_stare_step_runs_whatever_rule_the_name_looks_up(monkeypatch):
                      EntropyStats(None, -lp, None), generator=gen)
     assert seen["generator"] is gen and torch.equal(res.weights, torch.full((2, 3), 0.5))
     assert torch.equal(res.penalty, torch.ones(2, 3)) and res.metrics == {"stare/tokens": 6.0}
+
+
+def test_parse_algorithm_list_against_a_brute_force_check():
+    """Every list of up to three names drawn from two algorithms and one unknown: accepted exactly when it names at
+    least one algorithm, all of them known and none twice (a check written here from those rules)."""
+    import itertools
+
+    from stare.algorithms.registry import parse_algorithm_list
+
+    pool = ["grpo", "stare", "ppo"]
+    for n in range(0, 4):
+        for names in itertools.product(pool, repeat=n):
+            text = " , ".join(names)
+            good = n > 0 and "ppo" not in names and len(set(names)) == n
+            if good:
+                assert parse_algorithm_list(text) == list(names)
+            else:
+                with pytest.raises(ValueError) as err:
+                    parse_algorithm_list(text)
+                said = str(err.value)
+                if n == 0:
+                    assert said.startswith("no algorithm named")
+                elif "ppo" in names:
+                    assert said.startswith("unknown algorithm 'ppo'; valid algorithms: grpo, ")
+                else:
+                    assert said == f"lists an algorithm twice: {text!r}"
