@@ -247,11 +247,12 @@ class _ProblemSampler:
         torch = self.torch
         step = input_ids.shape[1] - self.width
         out = torch.full_like(scores, float("-inf"))
+        ending = []  # (group, the rows that end now) for report: counted with one device sync per step
         for g, (start, end, gen, max_new) in enumerate(self.groups):
             rows = slice(start, end)
             if step >= max_new:
                 out[rows, self.stop] = 0.0
-                self._told(g, None)
+                ending.append((g, None))
                 continue
             s = scores[rows]
             if self.greedy:
@@ -262,19 +263,21 @@ class _ProblemSampler:
                 probs = torch.nn.functional.softmax(s, dim=-1)
                 tokens = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)
             out[torch.arange(start, end, device=out.device), tokens] = 0.0
-            self._told(g, tokens == self.stop)
+            ending.append((g, tokens == self.stop))
+        if self.report is not None:
+            self._told(ending)
         return out
 
-    def _told(self, g: int, ending) -> None:
-        """Report the rows of group ``g`` that end now (``ending``: a mask of this step's rows; None: all left)."""
-        if self.report is None:
-            return
-        ended = self.ended[g]
-        new = ~ended if ending is None else ending & ~ended
-        n = int(new.sum())
-        if n:
-            ended |= new
-            self.report(g, n)
+    def _told(self, ending: list) -> None:
+        """Report the rows that end this step (``ending``: group, then a mask of its rows, or None for all of them
+        left), each group's count once; the counts reach the host in one transfer."""
+        torch = self.torch
+        news = [~self.ended[g] if mask is None else mask & ~self.ended[g] for g, mask in ending]
+        counts = torch.stack([new.sum() for new in news]).tolist() if news else []
+        for (g, _), new, n in zip(ending, news, counts):
+            if n:
+                self.ended[g] |= new
+                self.report(g, int(n))
 
 
 class VLLMBackend:
