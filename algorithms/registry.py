@@ -225,7 +225,7 @@ class AlgoConfig:
                         for name in _ADAPTIVE_BONUS_SETTINGS})
         if not self.stare:  # but what its token rule reads (80-20's top_ratio)
             why = f"only STARE algorithms use it (stare is off for {self.name})"
-            return {**out, **{name: why for name in _STARE_SETTINGS if name not in self.rule.settings}}
+            return {**out, **{name: why for name in STARE_OWN_SETTINGS if name not in self.rule.settings}}
         if self.controller == "paper":
             out.update({name: "only the band controller uses it (controller is paper)" for name in _BAND_SETTINGS})
             if not self.adaptive:
@@ -269,8 +269,7 @@ ALGO_SETTINGS: tuple[Setting, ...] = settings_of(AlgoConfig)  # THE algorithm se
 ALGO_SCHEMA: dict[str, Setting] = schema(ALGO_SETTINGS)
 SETTING_NAMES = tuple(f.name for f in fields(AlgoConfig) if f.name not in ("name", "description"))
 # what AlgoConfig.unused_settings names: the "# STARE" block of AlgoConfig (all of it for a baseline), each gate's own
-_STARE_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.index("telemetry")]
-STARE_SETTINGS = _STARE_SETTINGS  # STARE's own settings (selection ... two_sided), in the fields' order
+STARE_OWN_SETTINGS = SETTING_NAMES[SETTING_NAMES.index("stare") + 1:SETTING_NAMES.index("telemetry")]
 _PAPER_SETTINGS = ("target_entropy", "adaptive", "alpha", "w_max", "m_min")
 _BAND_SETTINGS = ("band_low", "band_high", "band_target", "gain", "two_sided", "damp")
 _ADAPTIVE_BONUS_SETTINGS = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")

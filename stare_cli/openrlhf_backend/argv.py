@@ -20,7 +20,7 @@ import shlex
 from pathlib import Path
 
 from stare.algorithms import AlgoConfig
-from stare.algorithms.registry import BONUS_SETTINGS, STARE_SETTINGS
+from stare.algorithms.registry import BONUS_SETTINGS, STARE_OWN_SETTINGS
 
 from ..gpu_schema import SettingsError, check_values  # the GPU presets' settings table
 from ..rundir import CKPT, FINAL, TENSORBOARD
@@ -268,7 +268,7 @@ def build_launch(resolved: dict, out: Path | str, *, ray_address: str | None = N
 
     stare = {}
     if algo["stare"]:
-        stare = {k: algo[k] for k in ("name", *STARE_SETTINGS, "telemetry")}  # every STARE field, from its owner
+        stare = {k: algo[k] for k in ("name", *STARE_OWN_SETTINGS, "telemetry")}  # every STARE field, from its owner
     elif rule.active:  # an entropy baseline: the plugin applies its token rule once per step (the dry run prints
         # the settings the rule reads)
         stare = {k: algo[k] for k in ("name", "token_rule", *rule.settings, "telemetry")}
