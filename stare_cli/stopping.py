@@ -253,9 +253,8 @@ def stoppable(command):
     messages on stderr as plain text)."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from .errors import err_console
+        from .errors import err_console, plain
 
-        say = lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
-        with stop_on_signals(say):
+        with stop_on_signals(plain(err_console)):
             return command(*args, **kwargs)
     return wrapper

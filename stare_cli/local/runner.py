@@ -34,8 +34,8 @@ from .. import stopping
 from ..errors import CliError
 from ..folder_lock import check_free, hold
 from ..quiet import quiet
-from ..rundir import (RunDirError, check_resumable, check_run_dir, check_run_set_dir, mark_run_set, prepare_run_dir,
-                      remove_unstarted_run)
+from ..rundir import (CHECKPOINT, RunDirError, check_resumable, check_run_dir, check_run_set_dir, mark_run_set,
+                      prepare_run_dir, remove_unstarted_run)
 from .trainer import LocalTrainer, warmstart_name
 
 
@@ -263,7 +263,7 @@ def _train_arms(plan: list, jobs: Jobs, progress: Progress, *, out: Path, seeds:
         tasks[run_dir] = progress.add_task(escape(name), total=steps, completed=steps if done else 0,
                                            status="done (kept)" if done else "queued")
         if not done:
-            jobs.add(run_dir, _arm_job, resolved, str(run_dir), str(ws_dirs[seed]), (run_dir / "checkpoint").exists())
+            jobs.add(run_dir, _arm_job, resolved, str(run_dir), str(ws_dirs[seed]), (run_dir / CHECKPOINT).exists())
     while jobs.queued or jobs.running:
         jobs.fill()
         for key, fut in list(jobs.running.items()):

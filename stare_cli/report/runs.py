@@ -242,8 +242,6 @@ def run_measures(run: Run) -> dict:
     }
 
 
-# The selection telemetry (``stare.algorithms.METRICS``): measure name -> metrics key. Each is a run's mean over the
-# steps that logged the key (gate_on's mean is the share of steps with the gate on); None when no step did.
 @dataclass(frozen=True)
 class Telemetry:
     """One column of the comparison's selection telemetry: the measure's name, the metric the engines log (its
@@ -256,7 +254,8 @@ class Telemetry:
     signed: bool = False
 
 
-# the selection telemetry, written once: what each run's mean is taken of, and how the table shows it
+# The selection telemetry, written once: what each run's mean is taken of (the steps that logged the key; gate_on's
+# mean is the share of steps with the gate on; None when no step did) and how the table shows it.
 TELEMETRY_COLUMNS: tuple[Telemetry, ...] = (
     Telemetry("gate_on_share", "stare/gate_on", "gate on"),
     Telemetry("mean_weight", "stare/mean_weight", "mean weight"),
