@@ -5,7 +5,6 @@ import time
 import pytest
 
 from stare.eval import verify_pool
-from stare.eval.extraction import extract_boxed
 from stare.eval.scoring import is_correct, score_many, shutdown
 
 # A power tower: sympy tries to evaluate 9**(9**(9**9)) and never returns in any useful time.
@@ -64,25 +63,6 @@ def test_score_many_matches_table_and_keeps_order():
     pairs = [(r, g) for r, g, _ in CASES] * 3
     expected = [e for _, _, e in CASES] * 3
     assert score_many(pairs, workers=2) == expected
-
-
-@pytest.mark.parametrize(
-    "text,boxed",
-    [
-        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-        (r"a \boxed{1} b \fbox{2} c", "2"),
-        (r"\boxed{\boxed{5}}", r"\boxed{5}"),  # a box inside a box belongs to the outer one
-        (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces are not grouping braces
-        (r"\boxed {7}", "7"),
-        (r"\boxed 42$.", "42"),
-        (r"\boxed{7} \boxed{8", "7"),
-        (r"\boxedx{1}", None),
-        ("no answer", None),
-        (None, None),
-    ],
-)
-def test_extract_boxed(text, boxed):
-    assert extract_boxed(text) == boxed
 
 
 def test_never_raises_on_bad_input():
