@@ -16,7 +16,8 @@ is read by its setting's row (``Setting.parse``: a YAML scalar of the setting's 
 ``--preset`` also takes a path to a preset file of one's own (a name ending in .yaml or .yml, or holding a path
 separator), checked by the same schema. Such a file may be a whole preset (a copy of ``stare presets --show NAME``)
 or start from a shipped one: ``base: NAME`` takes that preset's fields, and the file's ``settings`` and
-``algorithms`` entries replace the base's key by key. Its ``name`` defaults to the file's stem. A resolved run
+``algorithms`` entries replace the base's key by key (the shipped GPU presets are written that way too, on the
+paper's recipe ``qwen-7b-short-cot``, so each states only what differs). Its ``name`` defaults to the file's stem. A resolved run
 records the file's absolute path and SHA-256 (``preset_file``), so a run stays traceable after the file changes.
 """
 from __future__ import annotations
@@ -128,8 +129,7 @@ def load_preset(name: str) -> Preset:
     """A shipped preset by name, or a preset file by path (``is_preset_file``)."""
     if is_preset_file(name):
         return load_preset_file(Path(name))
-    text = shipped_preset_text(name)
-    return parse_preset(text, source=f"{name}.yaml", expected_name=name)
+    return parse_preset(shipped_preset_text(name), source=f"{name}.yaml", expected_name=name)
 
 
 def _read_preset_file(path: Path) -> tuple[str, bytes]:
@@ -156,14 +156,7 @@ def load_preset_file(path: Path) -> Preset:
     data = load_yaml(text, source=f"preset {source}")
     if not isinstance(data, dict):
         raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
-    data = dict(data)
-    base = data.pop("base", None)
-    if base is not None:
-        names = preset_names()
-        if base not in names:  # a path or a .yaml name is never one of them
-            raise PresetError(f"preset {source}: base {base!r} is not a shipped preset; valid bases: "
-                              f"{', '.join(names)}")
-        data = _on_base(load_yaml(shipped_preset_text(base), source=f"preset {base}.yaml"), data, source)
+    data = with_base(data, source)
     data.setdefault("name", path.stem)
     if not isinstance(data["name"], str) or not NAME_RE.fullmatch(data["name"]):
         raise PresetError(f"preset {source}: name {data['name']!r} must be letters, digits, '.', '_' or '-' (it "
@@ -171,6 +164,25 @@ def load_preset_file(path: Path) -> Preset:
     preset = parse_preset_data(data, source=source, file_fields=("base",))
     preset.file = {"path": str(path.absolute()), "sha256": hashlib.sha256(raw).hexdigest()}
     return preset
+
+
+def with_base(data: dict, source: str, seen: tuple[str, ...] = ()) -> dict:
+    """``data`` without its ``base:`` field, on top of that shipped preset (itself resolved the same way, so a base
+    may have a base); ``data`` itself when it names none. ``seen``: the shipped presets already on the way here."""
+    data = dict(data)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    names = preset_names()
+    if base not in names:  # a path or a .yaml name is never one of them
+        raise PresetError(f"preset {source}: base {base!r} is not a shipped preset; valid bases: {', '.join(names)}")
+    if base in seen:
+        raise PresetError(f"preset {source}: base {base!r} leads back to itself ({' -> '.join([*seen, base])})")
+    base_source = f"{base}.yaml"
+    base_data = load_yaml(shipped_preset_text(base), source=f"preset {base_source}")
+    if not isinstance(base_data, dict):
+        raise PresetError(f"preset {base_source} must be a mapping of fields, got {type(base_data).__name__}")
+    return _on_base(with_base(base_data, base_source, (*seen, base)), data, source)
 
 
 def _on_base(base: dict, own: dict, source: str) -> dict:
@@ -194,10 +206,13 @@ def _on_base(base: dict, own: dict, source: str) -> dict:
 
 
 def parse_preset(text: str, *, source: str, expected_name: str | None = None) -> Preset:
+    """A preset from its YAML text (a shipped preset's when ``expected_name`` is its name), on its ``base`` if it
+    names one."""
     data = load_yaml(text, source=f"preset {source}")
     if not isinstance(data, dict):
         raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
-    return parse_preset_data(data, source=source, expected_name=expected_name)
+    data = with_base(data, source, (expected_name,) if expected_name else ())
+    return parse_preset_data(data, source=source, expected_name=expected_name, file_fields=("base",))
 
 
 def parse_preset_data(data: dict, *, source: str, expected_name: str | None = None,

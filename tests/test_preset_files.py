@@ -218,3 +218,48 @@ def test_hub_ids_are_one_or_two_names_and_paths_are_not():
         assert looks_like_hub_id(hub), hub
     for path in ("./gpt2", "../m", "/abs/m", "~/m", "a/b/c", "runs/x/final/", "", "a//b", "a/..", ".hidden", "a b"):
         assert not looks_like_hub_id(path), path
+
+
+def _raw(name: str) -> dict:
+    from importlib import resources
+    return yaml.safe_load(resources.files("stare.configs").joinpath(f"{name}.yaml").read_text())
+
+
+def test_a_shipped_preset_on_a_base_is_its_base_but_for_what_its_file_states():
+    """The shipped presets written on a ``base:`` (every GPU preset but the paper's recipe): each resolved setting is
+    the one the file states, or else its base's resolved value; each algorithm override likewise key by key; the
+    backend is the base's. Read against the raw YAML of both files, not through the loader's merge."""
+    from stare.cli.presets import load_preset, preset_names
+
+    on_base = {n: _raw(n)["base"] for n in preset_names() if "base" in _raw(n)}
+    assert on_base and set(on_base.values()) <= set(preset_names()), on_base
+    for name, base in on_base.items():
+        raw, got, under = _raw(name), load_preset(name), load_preset(base)
+        assert got.name == name and got.backend == under.backend, (name, got.backend)
+        for key, value in got.settings.items():
+            stated = (raw.get("settings") or {}).get(key, under.settings[key])
+            assert value == stated, (name, key, value, stated)
+        for algo in set(got.algorithms) | set(under.algorithms):
+            want = {**under.algorithms.get(algo, {}), **(raw.get("algorithms") or {}).get(algo, {})}
+            assert got.algorithms.get(algo, {}) == want, (name, algo)
+
+
+def test_a_base_that_leads_back_to_itself_is_refused_with_the_chain(monkeypatch):
+    """Shipped presets whose bases form a loop (a -> b -> a) give one PresetError naming the chain, not a
+    RecursionError; a base one level down resolves through both."""
+    from stare.cli import presets
+
+    files = {"a": "name: a\ndescription: x\nbackend: local\nbase: b\nsettings: {}\n",
+             "b": "name: b\ndescription: y\nbackend: local\nbase: a\nsettings: {}\n",
+             "c": "name: c\ndescription: z\nbackend: local\nbase: tiny-cpu\nsettings: {steps: 7}\n",
+             "d": "name: d\ndescription: w\nbackend: local\nbase: c\nsettings: {seed: 5}\n"}
+    real = presets.shipped_preset_text
+    monkeypatch.setattr(presets, "preset_names", lambda: [*files, "tiny-cpu"])
+    monkeypatch.setattr(presets, "shipped_preset_text", lambda n: files[n] if n in files else real(n))
+    with pytest.raises(presets.PresetError, match=r"base 'a' leads back to itself \(a -> b -> a\)"):
+        presets.load_preset("a")
+    d = presets.load_preset("d")
+    tiny = presets.load_preset("tiny-cpu")
+    assert (d.name, d.description, d.settings["steps"], d.settings["seed"]) == ("d", "w", 7, 5)
+    assert {k: v for k, v in d.settings.items() if k not in ("steps", "seed")} == \
+        {k: v for k, v in tiny.settings.items() if k not in ("steps", "seed")}
