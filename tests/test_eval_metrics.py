@@ -194,42 +194,6 @@ def test_reflection_rate_errors():
         reflection_rate(["wait"], [-1])
 
 
-def test_one_summary_builder_numbers_by_hand(tmp_path):
-    """eval.summary (both harnesses' summary.json and summary.md): means by hand, intervals inside the data's range,
-    lm-eval's own aggregates kept when given, one atomic write."""
-    import json
-
-    from stare.eval.protocols import Protocol
-    from stare.eval.summary import core_summary, write_summary
-
-    proto = Protocol("stare", 4, 1.0, 0.7, 16)
-    per_problem, per_pass, per_maj = [0.25, 1.0, 0.0], [0.9, 1.0, 0.0], [0.0, 1.0, 0.0]
-    per_metric = {"avg_at_k": per_problem, "pass_at_k": per_pass, "maj_at_k": per_maj}
-    s = core_summary(bench="aime24", model="m", backend="hf", seed=3, proto=proto, values=per_metric,
-                     ids=["a", "b", "c"], answers=["1", "2", "3"])
-    assert s["avg_at_k"] == pytest.approx(1.25 / 3) and s["pass_at_k"] == pytest.approx(1.9 / 3)
-    assert s["maj_at_k"] == pytest.approx(1 / 3) and s["k"] == 4 and s["n_problems"] == 3
-    for key, values in (("avg_at_k", per_problem), ("pass_at_k", per_pass), ("maj_at_k", per_maj)):
-        lo, hi = s["ci95"][key]
-        assert min(values) <= lo <= s[key] <= hi <= max(values)
-    assert s["per_problem"][0] == {"id": "a", "accuracy": 0.25, "answer": "1"}
-    assert s["protocol"] == {"name": "stare", "k": 4, "temperature": 1.0, "top_p": 0.7, "max_tokens": 16,
-                             "instruction": proto.instruction}
-    lm = core_summary(bench="aime24", model="m", backend="hf", seed=3, proto=proto, values=per_metric,
-                      ids=["a", "b", "c"], answers=["1", "2", "3"], scores={"avg_at_k": 0.5})
-    assert lm["avg_at_k"] == 0.5 and lm["pass_at_k"] == s["pass_at_k"]
-
-    s["mean_response_tokens"] = 12.5
-    write_summary(tmp_path, s, title="aime24: m", setup="setup line", extra_rows=[("mean turns", "1.50")])
-    assert json.loads((tmp_path / "summary.json").read_text()) == s and not (tmp_path / "summary.json.tmp").exists()
-    md = (tmp_path / "summary.md").read_text().splitlines()
-    assert md[0] == "# aime24: m" and md[2] == "setup line"
-    assert f"| avg@4 | {1.25 / 3:.4f} | [{s['ci95']['avg_at_k'][0]:.4f}, {s['ci95']['avg_at_k'][1]:.4f}] |" in md
-    assert "| mean response tokens | 12.5 | |" in md and "| mean turns | 1.50 | |" in md
-    assert not any(line.startswith("| reflection") for line in md)  # not measured: no row
-    assert md[-3:] == ["| a | 1 | 0.250 |", "| b | 2 | 1.000 |", "| c | 3 | 0.000 |"]
-
-
 def test_a_row_added_to_the_metric_table_reaches_every_reader(tmp_path, monkeypatch):
     """stare.eval.metrics.METRICS is the one definition: a row added there (here a per-problem "first@k", shown in
     the comparison) is computed by both harnesses and the local engine's held-out evaluation, written to summary.json
