@@ -326,15 +326,6 @@ def test_no_two_samples_share_a_seed(small_model, small_tok, tmp_path, monkeypat
     assert (tmp_path / "b" / "samples.jsonl").read_text() == first
 
 
-def test_seed_blocks_of_different_runs_do_not_overlap():
-    k, n = 8, 30
-    runs = {s: {protocols.problem_seed(s, i, k) + j for i in range(n) for j in range(k)} for s in (0, 1, 2, 99)}
-    assert all(len(v) == n * k for v in runs.values())
-    assert len(set().union(*runs.values())) == 4 * n * k
-    with pytest.raises(ValueError):
-        protocols.problem_seed(0, 2**32, 1)  # beyond one run's block
-
-
 @pytest.mark.parametrize("batching", ["all", "problem"])
 def test_hf_backend_draws_each_problem_as_generate_after_its_first_sample_seed(small_model, tmp_path, batching):
     """Each problem's k samples are what transformers' own sampling draws after ``torch.manual_seed`` of the

@@ -537,15 +537,6 @@ def test_tools_on_vllm_context_full_ends_one_sample_and_seeds_are_distinct(token
         backend.generate("x " * context, 2, Protocol("stare", 2, 1.0, 0.7, 40), seed=base)
 
 
-def test_tool_turn_seeds_are_distinct_across_a_run():
-    from stare.eval.protocols import problem_seed, turn_seed
-
-    k, n, turns = 4, 30, 6
-    seeds = [turn_seed(problem_seed(3, i, k) + j, r) for i in range(n) for j in range(k) for r in range(turns)]
-    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**64 for s in seeds)
-    assert all(turn_seed(s, 0) == s and turn_seed(s, 1) >= 2**63 for s in seeds[:10])
-
-
 def test_tool_output_never_overshoots_the_token_budget(tokenizers):
     """The budget (max tokens) covers tool output as well as model turns: an observation longer than the room
     left is cut to it and the sample ends as truncated (token_budget); found on the real engine (a 128-token
