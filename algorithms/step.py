@@ -44,6 +44,7 @@ from .controllers import ControllerState
 from .entropy import EntropyStats, entropy_forecast_sums, quadrant_sums
 from .registry import AlgoConfig
 from .selection import reweight_sums, stare_token_weights
+from .token_rules import RULES
 
 P = "stare/"
 
@@ -79,17 +80,8 @@ METRICS: tuple[tuple[str, str], ...] = (
      "algorithms)"),
     ("stare/penalised_share", "kl-cov: share of the response tokens with a penalty coefficient > 0 (absent for the "
      "other algorithms)"),
-    ("stare/shaped_share", "entropy-adv: share of the A != 0 response tokens whose advantage the entropy term "
-     "changed (H > 0)"),
-    ("stare/shaping_clipped_share", "entropy-adv: of the shaped tokens, the share whose term is held at the bound "
-     "abs(A) / kappa"),
-    ("stare/gate_mean", "dg: mean of the delight gate sigmoid(A (-log p) / eta) over the A != 0 response tokens"),
-    ("stare/gate_low_share", "dg: share of the A != 0 response tokens whose gate is below 0.1 (nearly no gradient)"),
-    ("stare/gate_high_share", "dg: share of the A != 0 response tokens whose gate is above 0.9 (nearly all of it)"),
-    ("stare/steer_floor_share", "steer: share of the response tokens held at steer_weight_min (the largest estimated "
-     "entropy changes)"),
-    ("stare/steer_raise_share", "steer: of the response tokens with an estimated entropy change, the share whose "
-     "estimate says the update raises entropy (A (1 - p) (log p + H) < 0)"),
+    # each token rule's own (``TokenRule.telemetry``, in the registry's order: entropy-adv, dg, steer)
+    *((P + m.name, f"{rule.name}: {m.meaning}") for rule in RULES.values() for m in rule.telemetry),
     # the entropy bonus (entropy_coef > 0 or entropy_adaptive: entropy-adaptive)
     ("stare/entropy_coef", "the entropy bonus's coefficient applied this step (0 while the adaptive bonus is off)"),
     ("stare/entropy_bonus", "the bonus subtracted from the loss this step: the coefficient times the current "
@@ -383,8 +375,8 @@ def stare_step(
             lowered = lowered | penalised
         pairs[P + "lowered_phi_pos_share"] = ((lowered & phi_pos).sum(), lowered.sum())
         w_values, w_counts = _reduce(pairs, group)
-        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share", "shaping_clipped_share", "gate_mean",
-                     "steer_raise_share"):
+        for name in ("boosted_phi_pos_share", "lowered_phi_pos_share",
+                     *(m.name for m in rule.telemetry if m.absent_when_none)):
             if w_counts.get(P + name) == 0:
                 del w_values[P + name]
         metrics.update(w_values)

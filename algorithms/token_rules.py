@@ -17,8 +17,11 @@ everything that depends on the rule asks the object, never the name:
 - ``apply(...)``: the step's numbers -> ``(weights, penalty)``, once over the whole step's batch: a 0/1 mask,
   80-20's N / S weights, entropy-adv's shaping or dg's gate as ``weights``, KL-Cov's coefficients as ``penalty``
   (the pure functions of baselines.py);
-- ``telemetry_sums(...)``: its own telemetry as (numerator, denominator) pairs, summed over the ranks with the rest
-  of the step's telemetry (names in step.METRICS, without the ``stare/`` prefix).
+- ``telemetry``: the numbers it logs beyond the shared ones (``RuleMetric``: name, meaning, the comparison's column
+  header), written once here: step.METRICS lists them, the steps drop a share of nothing, and ``stare compare``
+  reads them (TensorBoard too) into its "Selection telemetry" table;
+- ``telemetry_sums(...)``: those numbers as (numerator, denominator) pairs by name, summed over the ranks with the
+  rest of the step's telemetry.
 
 A new rule is a subclass decorated with ``@register_token_rule`` (here, its maths in baselines.py, or in a module of
 your own); its name is then a valid ``token_rule`` and both engines run it. A rule outside this package reads the
@@ -36,10 +39,23 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ._plain import check_range
 
 MODULES_ENV = "STARE_TOKEN_RULE_MODULES"  # comma-separated modules that register token rules, imported on first need
+
+
+@dataclass(frozen=True)
+class RuleMetric:
+    """One number a token rule logs as ``stare/<name>`` (its ``telemetry_sums`` returns it under ``name``): what it
+    means (a line of step.METRICS, prefixed with the rule's name), the header of its column in the comparison's
+    "Selection telemetry" table, and ``absent_when_none``: a step where its denominator is 0 (a share of nothing)
+    leaves it out instead of logging 0."""
+    name: str
+    meaning: str
+    header: str
+    absent_when_none: bool = False
 
 
 class TokenRule:
@@ -48,6 +64,7 @@ class TokenRule:
     name = "none"
     active = False
     settings: tuple[str, ...] = ()
+    telemetry: tuple[RuleMetric, ...] = ()
     exclusive: tuple[str, ...] = ()
     needs_entropy = False
     unclipped = False
@@ -137,6 +154,12 @@ class EntropyAdvantage(TokenRule):
     exclusive = ("entropy_adv_alpha", "entropy_adv_kappa")
     needs_entropy = True
     choice = False
+    telemetry = (
+        RuleMetric("shaped_share", "share of the A != 0 response tokens whose advantage the entropy term changed "
+                   "(H > 0)", "shaped"),
+        RuleMetric("shaping_clipped_share", "of the shaped tokens, the share whose term is held at the bound "
+                   "abs(A) / kappa", "shaping clipped", absent_when_none=True),
+    )
 
     def apply(self, cfg, logprobs, advantages, mask, entropy, *, group=None, generator=None):
         from .baselines import entropy_advantage_weights
@@ -160,6 +183,14 @@ class DelightGate(TokenRule):
     settings = ("dg_eta",)
     exclusive = ("dg_eta",)
     choice = False
+    telemetry = (
+        RuleMetric("gate_mean", "mean of the delight gate sigmoid(A (-log p) / eta) over the A != 0 response tokens",
+                   "gate mean", absent_when_none=True),
+        RuleMetric("gate_low_share", "share of the A != 0 response tokens whose gate is below 0.1 (nearly no "
+                   "gradient)", "gate<0.1"),
+        RuleMetric("gate_high_share", "share of the A != 0 response tokens whose gate is above 0.9 (nearly all of "
+                   "it)", "gate>0.9"),
+    )
 
     def apply(self, cfg, logprobs, advantages, mask, entropy, *, group=None, generator=None):
         from .baselines import delight_gate_weights
@@ -183,6 +214,13 @@ class Steer(TokenRule):
     exclusive = settings
     needs_entropy = True
     choice = False
+    telemetry = (
+        RuleMetric("steer_floor_share", "share of the response tokens held at steer_weight_min (the largest "
+                   "estimated entropy changes)", "steer floor"),
+        RuleMetric("steer_raise_share", "of the response tokens with an estimated entropy change, the share whose "
+                   "estimate says the update raises entropy (A (1 - p) (log p + H) < 0)", "steer raise",
+                   absent_when_none=True),
+    )
 
     def validate(self, cfg) -> None:
         if cfg.steer_mapping == "exp":

@@ -147,3 +147,20 @@ def test_openrlhf_selection_telemetry(tmp_path):
     md = (tmp_path / "cmp" / "comparison.md").read_text()
     row = next(line for line in md.split("## Selection telemetry")[1].splitlines() if line.startswith("| stare "))
     assert row == "| stare | 1 | 0.750 | 1.250 | 0.500 |  |  |  | +2.00e-03 |  |"
+
+
+def test_openrlhf_token_rule_telemetry(tmp_path):
+    """A token rule's own numbers, logged by the plugin as train/stare/<name> (dg's gate here), are read from
+    TensorBoard like the shared telemetry: the arm's mean over the steps that logged each one."""
+    root = tmp_path / "qwen-dg"
+    root.mkdir()
+    (root / "config.yaml").write_text(yaml.safe_dump({"preset": "qwen-7b-short-cot", "backend": "openrlhf",
+                                                      "algo": {"name": "dg"}}))
+    write_scalars(root / "tensorboard" / "run", {
+        "train/stare/entropy": steps([0.9, 0.8, 0.7]), "train/reward": steps([0.1, 0.2, 0.3]),
+        "train/stare/gate_mean": steps([0.5, 0.25, 0.75]), "train/stare/gate_low_share": list(zip((1, 3), (0.1, 0.3)))})
+    compare([root], tmp_path / "cmp")
+    (arm,) = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["arms"]
+    assert arm["telemetry"]["gate_mean"]["mean"] == pytest.approx(0.5)
+    assert arm["telemetry"]["gate_low_share"]["mean"] == pytest.approx(0.2)
+    assert arm["telemetry"]["gate_high_share"]["n"] == 0

@@ -384,3 +384,32 @@ def test_main_table_unchanged_without_telemetry(tmp_path):
     assert md_b.startswith(md_a) and md_b[len(md_a):].startswith("\n## Selection telemetry\n")
     assert telemetry_table(md_b)["stare"]["gate on"] == "0.500"  # 10 of 20 steps
     assert (tmp_path / "out_a" / "comparison.csv").read_bytes() == (tmp_path / "out_b" / "comparison.csv").read_bytes()
+
+
+def test_token_rules_own_telemetry_gets_columns_where_logged(tmp_path):
+    """dg's and entropy-adv's own numbers (declared on their token rules) reach comparison.json and get columns in
+    comparison.md, each arm's step mean worked out by hand; steer's, which no arm logged, get no column, and the
+    shared columns keep their places."""
+    rewards, ents = [0.5] * 4, [0.6] * 4
+    dg = {i: {"stare/mean_weight": 0.5, "stare/gate_mean": g, "stare/gate_low_share": lo, "stare/gate_high_share": hi}
+          for i, g, lo, hi in zip(range(1, 5), (0.4, 0.5, 0.6, 0.7), (0.2, 0.1, 0.1, 0.0), (0.0, 0.1, 0.3, 0.4))}
+    adv = {i: {"stare/mean_weight": 1.1, "stare/shaped_share": s} for i, s in zip(range(1, 5), (0.9, 0.8, 0.7, 0.6))}
+    adv[2]["stare/shaping_clipped_share"] = 0.25  # logged at one step only (no shaped token clipped at the others)
+    runs = [load_run(make_run(tmp_path, "g", "dg", 0, rewards=rewards, entropies=ents, extra=dg)),
+            load_run(make_run(tmp_path, "e", "entropy-adv", 0, rewards=rewards, entropies=ents, extra=adv))]
+    summary = write_comparison(tmp_path / "out", runs)
+    arms = {a["arm"]: a["telemetry"] for a in summary["arms"]}
+    assert arms["dg"]["gate_mean"]["mean"] == pytest.approx(0.55)
+    assert arms["dg"]["gate_high_share"]["mean"] == pytest.approx(0.2)
+    assert arms["entropy-adv"]["shaped_share"]["mean"] == pytest.approx(0.75)
+    assert arms["entropy-adv"]["shaping_clipped_share"]["mean"] == pytest.approx(0.25)
+    assert arms["dg"]["steer_floor_share"] == {"mean": None, "std": None, "n": 0}  # in the JSON, never logged
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    rows = telemetry_table(md)
+    assert list(rows["dg"]) == ["arm", "seeds", "gate on", "mean weight", "boosted Phi>0", "lowered Phi>0", "masked",
+                                "penalised", "forecast", "forecast unweighted", "shaped", "shaping clipped",
+                                "gate mean", "gate<0.1", "gate>0.9"]
+    assert (rows["dg"]["gate mean"], rows["dg"]["gate<0.1"], rows["dg"]["gate>0.9"]) == ("0.550", "0.100", "0.200")
+    assert (rows["dg"]["shaped"], rows["entropy-adv"]["gate mean"]) == ("", "")
+    assert (rows["entropy-adv"]["shaped"], rows["entropy-adv"]["shaping clipped"]) == ("0.750", "0.250")
+    assert "gate mean (dg): mean of the delight gate" in md and "`stare/shaped_share`" in md and "steer" not in md

@@ -436,3 +436,26 @@ def test_an_unused_setting_changes_no_weight_and_no_number(algo):
         assert [m["stare/entropy_coef"] for _, _, m in reference] == [0.0, 0.0, 0.0]  # above 0.2: held at 0
         changed = _three_steps(get_algorithm(algo, entropy_target=0.9), logp, adv, mask, stats)
         assert [m["stare/entropy_coef"] for _, _, m in changed] == pytest.approx([0.005, 0.010, 0.015], abs=1e-12)
+
+
+def test_each_token_rule_logs_exactly_the_numbers_it_declares():
+    """For every algorithm with a token rule, on a batch where every share has tokens to count: of the names any rule
+    declares (``TokenRule.telemetry``), the step logs exactly its own rule's, each a finite number (shares in
+    [0, 1]) and each a line of METRICS; a rule's ``telemetry_sums`` returning a name it did not declare (or
+    another rule's), or a declaration it never logs, fails here."""
+    from stare.algorithms import ALGORITHMS
+    from stare.algorithms.token_rules import RULES
+
+    declared = {"stare/" + m.name: rule.name for rule in RULES.values() for m in rule.telemetry}
+    assert declared and set(declared) <= set(METRIC_NAMES)
+    ruled = {algo: get_algorithm(algo).rule for algo in ALGORITHMS if get_algorithm(algo).rule.active}
+    assert {r.name for r in ruled.values()} >= set(declared.values())  # every declaring rule runs here
+    logp, adv, mask, stats = _batch(per_token=True)
+    for algo, rule in ruled.items():
+        cfg = get_algorithm(algo, **_OPEN.get(algo, {}))
+        metrics = stare_step(cfg.make_controller(), cfg, logp, adv, mask, stats,
+                             generator=torch.Generator().manual_seed(1)).metrics
+        own = set(metrics) - (set(METRIC_NAMES) - set(declared))  # all but the names every algorithm may log
+        assert own == {"stare/" + m.name for m in rule.telemetry}, (algo, own)
+        for k in own:
+            assert math.isfinite(metrics[k]) and (not k.endswith("_share") or 0 <= metrics[k] <= 1), (algo, k)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stare.algorithms import upgrade_metric_names
+from stare.algorithms.token_rules import RULES
 from stare.eval.data import BENCHES
 from stare.eval.metrics import compared
 from stare.eval.summary import read_summary
@@ -246,16 +247,20 @@ def run_measures(run: Run) -> dict:
 class Telemetry:
     """One column of the comparison's selection telemetry: the measure's name, the metric the engines log (its
     meaning: ``stare.algorithms.step.METRICS``), the table's header, its digits, and whether it is signed (written
-    as +1.00e-03)."""
+    as +1.00e-03); for a token rule's own number, the rule's name and the metric's meaning (the column is shown only
+    when some arm logged it)."""
     name: str
     key: str
     header: str
     digits: int = 3
     signed: bool = False
+    rule: str | None = None
+    meaning: str = ""
 
 
 # The selection telemetry, written once: what each run's mean is taken of (the steps that logged the key; gate_on's
-# mean is the share of steps with the gate on; None when no step did) and how the table shows it.
+# mean is the share of steps with the gate on; None when no step did) and how the table shows it. The shared
+# columns here, then each token rule's own, as the rule declares them (``TokenRule.telemetry``).
 TELEMETRY_COLUMNS: tuple[Telemetry, ...] = (
     Telemetry("gate_on_share", "stare/gate_on", "gate on"),
     Telemetry("mean_weight", "stare/mean_weight", "mean weight"),
@@ -265,6 +270,8 @@ TELEMETRY_COLUMNS: tuple[Telemetry, ...] = (
     Telemetry("penalised_share", "stare/penalised_share", "penalised"),
     Telemetry("entropy_forecast", "stare/entropy_forecast", "forecast", 2, True),
     Telemetry("entropy_forecast_base", "stare/entropy_forecast_base", "forecast unweighted", 2, True),
+    *(Telemetry(m.name, f"stare/{m.name}", m.header, rule=rule.name, meaning=m.meaning)
+      for rule in RULES.values() for m in rule.telemetry),
 )
 TELEMETRY: dict[str, str] = {t.name: t.key for t in TELEMETRY_COLUMNS}  # measure -> logged metric
 

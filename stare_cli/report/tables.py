@@ -20,7 +20,7 @@ curve (``<key>_best_*``, ``<key>_last_*`` in the CSV, with their steps). The CSV
 
 When any run logged the selection telemetry (``runs.TELEMETRY_COLUMNS``: gate-on share, mean weight, the Phi > 0
 shares of the boosted and lowered tokens, masked and penalised shares, the entropy forecast with and without the
-weights), comparison.md ends with a second table, "Selection telemetry", one row per arm, and each arm in
+weights; and a column for each number a token rule declares, shown where some arm logged it), comparison.md ends with a second table, "Selection telemetry", one row per arm, and each arm in
 comparison.json has the same numbers under ``telemetry`` (per run under ``runs[i]["telemetry"]``).
 """
 from __future__ import annotations
@@ -120,18 +120,21 @@ def _telemetry_md(arms: list[dict]) -> list[str]:
     """The "Selection telemetry" section of comparison.md (no lines when no arm logged any of it)."""
     if not any(agg["n"] for a in arms for agg in a["telemetry"].values()):
         return []
-    titles = ["arm", "seeds"] + [c.header for c in TELEMETRY_COLUMNS]
+    logged = {name for a in arms for name, agg in a["telemetry"].items() if agg["n"]}
+    columns = [c for c in TELEMETRY_COLUMNS if c.rule is None or c.name in logged]  # a rule's own: where logged
+    titles = ["arm", "seeds"] + [c.header for c in columns]
     md = ["", "## Selection telemetry", "", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for a in arms:
         cells = [a["label"], str(a["n_seeds"])] + [_cell(a["telemetry"][c.name], a["n_seeds"], signed=c.signed,
-                                                         digits=c.digits, scientific=c.signed) for c in TELEMETRY_COLUMNS]
+                                                         digits=c.digits, scientific=c.signed) for c in columns]
         md.append("| " + " | ".join(cells) + " |")
     md += ["", "Each run's mean over the steps that logged the metric (blank: never logged), then mean ± sample std "
            "over seeds. gate on: share of steps with the entropy gate on (`stare/gate_on`); mean weight: mean token "
            "weight; boosted / lowered Phi>0: of the tokens with weight > 1 / with weight < 1 or a KL-Cov penalty, "
            "the share with Phi > 0 (entropy-raising); masked: share of tokens whose gradient is dropped; penalised: "
            "share with a KL-Cov penalty; forecast / forecast unweighted: first-order entropy change per unit step, "
-           "token mean of w A Phi / of A Phi (`stare/entropy_forecast`, `stare/entropy_forecast_base`)."]
+           "token mean of w A Phi / of A Phi (`stare/entropy_forecast`, `stare/entropy_forecast_base`)." +
+           "".join(f" {c.header} ({c.rule}): {c.meaning} (`{c.key}`)." for c in columns if c.rule)]
     return md
 
 

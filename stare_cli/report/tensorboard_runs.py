@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from ..presets import read_config
+from .runs import TELEMETRY_COLUMNS
 
 # metric key (as in a local run's metrics.jsonl) -> TensorBoard tags, in order of preference: the first tag the run
 # logged at all is used for every step (STARE's batch entropy of the old policy before OpenRLHF's entropy_loss).
@@ -31,15 +32,11 @@ TB_TAGS: dict[str, tuple[str, ...]] = {
     "stare/gate_on": ("train/stare/gate", "train/stare/gate_on"),  # the plugin's ControllerState.as_metrics: gate_on
     "stare/w": ("train/stare/w",),
     "stare/m": ("train/stare/m",),
-    # the selection telemetry (``runs.TELEMETRY_COLUMNS``); runs written before the rename logged boosted_raise_share
-    "stare/mean_weight": ("train/stare/mean_weight",),
+    # the rest of the selection telemetry (``runs.TELEMETRY_COLUMNS``, the token rules' own included): each as
+    # train/<key>; runs written before the rename logged boosted_raise_share
     "stare/boosted_phi_pos_share": ("train/stare/boosted_phi_pos_share", "train/stare/boosted_raise_share"),
-    "stare/lowered_phi_pos_share": ("train/stare/lowered_phi_pos_share",),
-    "stare/masked_share": ("train/stare/masked_share",),
-    "stare/penalised_share": ("train/stare/penalised_share",),
-    "stare/entropy_forecast": ("train/stare/entropy_forecast",),
-    "stare/entropy_forecast_base": ("train/stare/entropy_forecast_base",),
 }
+TB_TAGS.update({t.key: (f"train/{t.key}",) for t in TELEMETRY_COLUMNS if t.key not in TB_TAGS})
 
 EVENT_GLOB = "events.out.tfevents.*"
 CONFIG_DEPTH = 2  # config.yaml is looked for in the event folder and this many folders above it
