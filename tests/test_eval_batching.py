@@ -308,15 +308,6 @@ def test_hf_batches_prompts_of_about_the_same_length_within_the_token_slots(mode
     assert many == one
 
 
-def test_hf_batch_tokens_setting(monkeypatch):
-    from stare.eval.backends import HF_BATCH_TOKENS, hf_batch_tokens
-
-    assert hf_batch_tokens({}) == HF_BATCH_TOKENS and hf_batch_tokens({"STARE_HF_BATCH_TOKENS": "128"}) == 128
-    for bad in ("0", "-3", "x", "1.5"):
-        with pytest.raises(ValueError, match=f"STARE_HF_BATCH_TOKENS={bad!r}"):
-            hf_batch_tokens({"STARE_HF_BATCH_TOKENS": bad})
-
-
 # ---- the tool loop ------------------------------------------------------------------------------------------------
 
 def test_tool_turns_of_every_problem_go_to_vllm_together_with_the_seeds_of_each_alone(model, tok, monkeypatch):

@@ -134,17 +134,6 @@ def test_vllm_prompt_uses_the_chat_template_without_a_second_bos(model_dirs, mon
     assert [c["seed"] for c in calls["samples"]] == [5, 6, 7]
 
 
-def test_default_backend(monkeypatch):
-    import torch
-
-    module, _ = make_vllm(lambda child: iter(()))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    assert backends.default_backend() == "vllm"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert backends.default_backend() == "hf"  # importable but no GPU
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_missing_one_line_exit_2(tmp_path):
     data = write_problems(tmp_path / "mini.jsonl")
@@ -408,16 +397,6 @@ def test_vllm_over_long_prompt_and_context_cut(small_model, small_tok, tmp_path,
     again = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert {k: again[k] for k in ("truncated", "not_attempted", "avg_at_k")} == \
         {k: s[k] for k in ("truncated", "not_attempted", "avg_at_k")}
-
-
-def test_hf_context_length_rule():
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(max_position_embeddings=64)
-    assert backends.hf_context_length(cfg, SimpleNamespace(model_max_length=int(1e30))) == 64  # unset: ignored
-    assert backends.hf_context_length(cfg, SimpleNamespace(model_max_length=32)) == 32  # the smaller one
-    assert backends.hf_context_length(SimpleNamespace(), SimpleNamespace(model_max_length=100)) == 100
-    assert backends.hf_context_length(SimpleNamespace(), SimpleNamespace()) is None
 
 
 def test_hf_over_long_prompt_and_context_cut(small_model, small_tok, tmp_path):
