@@ -156,26 +156,6 @@ def test_no_algorithm_setting_shadows_a_run_setting():
     assert "kl_coef" in run_keys and not set(SETTING_NAMES) & run_keys, set(SETTING_NAMES) & run_keys
 
 
-def test_token_rules_are_a_registry_that_everything_asks():
-    """Each rule says what it reads, needs and changes; AlgoConfig's properties and both engines ask the rule."""
-    from stare.algorithms import SETTING_NAMES, get_token_rule
-    from stare.algorithms.token_rules import RULES
-
-    assert tuple(RULES) == TOKEN_RULES
-    for name, rule in RULES.items():
-        assert rule.name == name and get_token_rule(name) is rule
-        assert set(rule.exclusive) <= set(rule.settings) <= set(SETTING_NAMES), name
-        assert rule.active == (name != "none")
-    assert [n for n, r in RULES.items() if r.unclipped] == ["kl-cov"]
-    assert [n for n, r in RULES.items() if r.random] == ["clip-cov"]
-    assert [n for n, r in RULES.items() if r.needs_entropy] == ["80-20", "entropy-adv", "steer"]
-    assert [n for n, r in RULES.items() if not r.choice] == ["entropy-adv", "dg", "steer"]  # weights scale, not choose
-    for name, cfg in ALGORITHMS.items():
-        assert cfg.rule is RULES[cfg.token_rule] and cfg.unclipped == cfg.rule.unclipped, name
-    with pytest.raises(ValueError, match="unknown token_rule 'clipcov'; valid choices: none, clip-cov"):
-        get_token_rule("clipcov")
-
-
 def test_stare_step_runs_whatever_rule_the_name_looks_up(monkeypatch):
     """The step asks the rule object for its weights and penalty (and passes the generator): a rule registered under
     a name is what runs."""

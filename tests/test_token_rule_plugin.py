@@ -3,7 +3,7 @@
 The example module is cut out of the docs and imported by name through ``STARE_TOKEN_RULE_MODULES`` (as the CLI
 and OpenRLHF's workers import it); its weights are checked against a sort by hand, then in the local engine's
 loss and in OpenRLHF's trainer with the plugin (the gradient equal to OpenRLHF's own loss with the weights folded
-into the advantages). Also the decorator's refusals.
+into the advantages). The decorator's refusals and a missing module: tests/test_token_rules.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stare.algorithms import TOKEN_RULES, TokenRule, get_algorithm, get_token_rule, register_token_rule
+from stare.algorithms import TOKEN_RULES, get_algorithm, get_token_rule
 from stare.algorithms import token_rules
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -75,38 +75,6 @@ def test_the_rule_is_found_by_name_through_the_variable_and_validates(plugin_mod
     weights, penalty = rule.apply(cfg, logprobs, torch.ones(3), mask, None)
     assert penalty is None and torch.equal(weights, brute_force(logprobs, mask, 0.25))
     assert int(weights.sum()) == math.ceil(0.25 * 13)
-
-
-def test_a_missing_module_is_named(tmp_path, monkeypatch):
-    monkeypatch.setenv(token_rules.MODULES_ENV, "no_such_rules_module")
-    with pytest.raises(ImportError, match="STARE_TOKEN_RULE_MODULES: cannot import token-rule module "
-                                          "'no_such_rules_module'"):
-        get_token_rule("nonexistent")
-    monkeypatch.delenv(token_rules.MODULES_ENV)
-    with pytest.raises(ValueError, match="unknown token_rule 'nonexistent'; valid choices: none, clip-cov"):
-        get_token_rule("nonexistent")
-
-
-def test_the_decorator_refuses_duplicates_nameless_rules_and_non_rules():
-    class Again(TokenRule):
-        name = "clip-cov"
-
-    class Nameless(TokenRule):
-        pass
-
-    class Spaced(TokenRule):
-        name = " spaced"
-
-    before = dict(token_rules.RULES)
-    with pytest.raises(ValueError, match="token rule 'clip-cov' is already registered \\(ClipCov\\)"):
-        register_token_rule(Again)
-    with pytest.raises(ValueError, match="needs a name of its own"):
-        register_token_rule(Nameless)  # inherits "none": refused, never replaces the base rule
-    with pytest.raises(ValueError, match="needs a name of its own"):
-        register_token_rule(Spaced)
-    with pytest.raises(ValueError, match="takes a subclass of TokenRule"):
-        register_token_rule(object)
-    assert token_rules.RULES == before
 
 
 def test_the_local_engine_trains_with_it(plugin_module, tmp_path, monkeypatch):
