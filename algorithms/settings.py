@@ -144,6 +144,33 @@ def schema(rows) -> dict[str, Setting]:
     return {s.name: s for s in rows}
 
 
+def check_settings(rows, settings: dict, where: str, *, given: dict[str, str] | None = None) -> dict:
+    """A settings dict checked against its table ``rows`` (the local presets', the GPU presets'), with the defaults
+    filled in; a new dict, numbers of a float setting as floats. ValueError with one message shape for every table,
+    each starting with ``where`` ("preset tiny-cpu.yaml: "): an unknown name (and the valid ones), a required
+    setting missing, or ``setting NAME: <Setting.problem>``; a key in ``given`` (the keys set with --set, with the
+    text given) is named ``--set NAME=TEXT`` instead. Rules between settings stay with each table's owner."""
+    names = [s.name for s in rows]
+    unknown = [k for k in settings if k not in names]
+    if unknown:
+        raise ValueError(f"{where}unknown setting {unknown[0]!r}; valid settings: {', '.join(names)}")
+    out = {}
+    for s in rows:
+        if s.name not in settings and s.required:
+            raise ValueError(f"{where}missing the setting {s.name!r} ({s.valid()})")
+        value = settings.get(s.name, s.default)
+        why = s.problem(value)
+        if why:
+            raise ValueError(f"{where}{setting_label(s.name, given)}: {why}")
+        out[s.name] = float(value) if s.type is float and value is not None else value
+    return out
+
+
+def setting_label(name: str, given: dict[str, str] | None = None) -> str:
+    """How a message names a setting: ``--set NAME=TEXT`` when the user gave it so, else ``setting NAME``."""
+    return f"--set {name}={given[name]}" if given is not None and name in given else f"setting {name}"
+
+
 def setting(default, help: str, **valid) -> Any:
     """A dataclass field that is a setting: its ``default``, its one-line meaning (``help``) and its valid values
     (``Setting``'s ``low``, ``high``, ``low_open``, ``choices``, ``check``, ``valid_text``, ``label``). The row is

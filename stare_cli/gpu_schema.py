@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stare.algorithms.settings import REQUIRED, Setting, schema
+from stare.algorithms.settings import REQUIRED, Setting, check_settings, schema
 from stare.eval.data import BENCHES
 
 from .agent.sandbox import ISOLATION_MODES as SANDBOX_ISOLATION_MODES
@@ -156,34 +156,11 @@ GPU_SETTINGS: tuple[Setting, ...] = (
 SCHEMA: dict[str, Setting] = schema(GPU_SETTINGS)
 
 
-def check_values(settings: dict, source: str) -> dict:
-    """Check an openrlhf preset's settings against ``GPU_SETTINGS`` (names, types, then each value's range, choices
-    and check) and fill the defaults. Returns a new dict; ``SettingsError`` naming ``source`` otherwise."""
-    unknown = sorted(set(settings) - set(SCHEMA))
-    if unknown:
-        raise SettingsError(f"preset {source}: unknown setting {unknown[0]!r}; valid settings: {', '.join(SCHEMA)}")
-    out = {}
-    for s in GPU_SETTINGS:
-        if s.name not in settings:
-            if s.required:
-                raise SettingsError(f"preset {source} is missing the setting {s.name!r} ({s.type.__name__})")
-            out[s.name] = s.default
-            continue
-        value = settings[s.name]
-        if not s.has_type(value):
-            raise SettingsError(f"preset {source}: setting {s.name!r} must be {s.type.__name__}, got {value!r}")
-        out[s.name] = float(value) if s.type is float else value
-    for s in GPU_SETTINGS:
-        why = _problem(s, out[s.name])
-        if why:
-            raise SettingsError(f"preset {source}: {why}")
-    return out
-
-
-def _problem(s: Setting, value) -> str | None:
-    """Why ``value`` (of the right type) is not valid for ``s``, or None."""
-    if s.choices is not None and value not in s.choices:
-        return f"setting {s.name!r} must be one of {s.choices_text()}, got {value!r}"
-    if s.out_of_range(value):
-        return f"setting {s.name!r} must be {s.range_text()}, got {value}"
-    return s.check(value) if s.check is not None else None
+def check_values(settings: dict, source: str, *, given: dict[str, str] | None = None) -> dict:
+    """Check an openrlhf preset's settings against ``GPU_SETTINGS`` (names, types, each value's range, choices and
+    check: ``check_settings``, the same check and message shape as the local presets') and fill the defaults.
+    Returns a new dict; ``SettingsError`` naming ``source`` (and a --set key as ``--set key=TEXT``) otherwise."""
+    try:
+        return check_settings(GPU_SETTINGS, settings, f"preset {source}: ", given=given)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None

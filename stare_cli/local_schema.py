@@ -12,7 +12,7 @@ No torch import here: ``stare presets`` and ``stare algos`` read this module, an
 """
 from __future__ import annotations
 
-from stare.algorithms.settings import Setting, schema
+from stare.algorithms.settings import Setting, check_settings, schema, setting_label
 
 from .local import tasks as _tasks
 
@@ -91,30 +91,19 @@ class LocalSettingsError(ValueError):
 
 
 def check_local_settings(settings: dict, where: str, *, given: dict[str, str] | None = None) -> dict:
-    """Check a local preset's settings against ``LOCAL_SETTINGS`` and fill the defaults; returns a new dict.
+    """Check a local preset's settings against ``LOCAL_SETTINGS`` and fill the defaults (``check_settings``, the
+    same check and message shape as the GPU presets'), then the rules between settings; returns a new dict.
 
     ``where`` starts each message ("preset tiny-cpu.yaml: "); a key in ``given`` (the keys the user set with --set,
     with the text given) is reported as ``--set key=TEXT``."""
-    unknown = [k for k in settings if k not in SCHEMA]
-    if unknown:
-        raise LocalSettingsError(f"{where}unknown setting {unknown[0]!r}; valid settings: {', '.join(SCHEMA)}")
-    out = {}
-    for s in LOCAL_SETTINGS:
-        value = settings.get(s.name, s.default)
-        why = s.problem(value)
-        if why:
-            raise LocalSettingsError(f"{where}{_name(s.name, value, given)}: {why}")
-        out[s.name] = float(value) if s.type is float else value
+    try:
+        out = check_settings(LOCAL_SETTINGS, settings, where, given=given)
+    except ValueError as exc:
+        raise LocalSettingsError(str(exc)) from None
     # rules between settings
     if out["prompts_per_step"] > out["train_problems"]:
         key = "prompts_per_step" if given and "prompts_per_step" in given else "train_problems"
-        raise LocalSettingsError(f"{where}{_name(key, out[key], given)}: prompts_per_step ({out['prompts_per_step']}) "
+        raise LocalSettingsError(f"{where}{setting_label(key, given)}: prompts_per_step ({out['prompts_per_step']}) "
                                  f"must be <= train_problems ({out['train_problems']}): a step samples its prompts "
                                  "from the training set without repeats")
     return out
-
-
-def _name(key: str, value, given: dict[str, str] | None) -> str:
-    if given is not None and key in given:
-        return f"--set {key}={given[key]}"
-    return f"setting {key}"

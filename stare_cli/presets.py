@@ -296,11 +296,8 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
     given: dict[str, str] = {}  # the run settings set here, with the text given (for the messages)
     for key, raw in parse_sets(sets or []):
         if key in settings:
-            given[key] = raw
-            if preset.backend == "local":  # checked below, with the schema's words for what is valid
-                settings[key] = LOCAL_SCHEMA[key].parse(raw)
-            else:
-                settings[key] = _coerce(key, raw, GPU_SCHEMA[key])
+            given[key] = raw  # checked below, with the table's words for what is valid
+            settings[key] = (LOCAL_SCHEMA if preset.backend == "local" else GPU_SCHEMA)[key].parse(raw)
         elif key in SETTING_NAMES:
             algo_over[key] = _coerce(key, raw, ALGO_SCHEMA[key])
         else:
@@ -319,7 +316,7 @@ def resolve(preset_name: str, algo: str, sets: list[str] | None = None) -> dict:
         if preset.backend == "openrlhf" and sets:  # the overrides must still fit together
             from .openrlhf_backend.argv import check_settings
 
-            settings = check_settings(settings, f"{preset.name} (with --set)")
+            settings = check_settings(settings, f"{preset.name} (with --set)", given=given)
     except ValueError as exc:
         raise PresetError(str(exc)) from None
     resolved = {"preset": preset.name, "backend": preset.backend, "algo": algo_cfg.to_dict(), "settings": settings}

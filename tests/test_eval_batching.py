@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -415,7 +414,7 @@ def plan_json(*args):
     ("qwen-7b-short-cot", ["--backend", "hf"], 8, 1),
 ])
 def test_stare_run_evaluates_on_every_gpu_of_the_preset(tmp_path, preset, extra, engines, tp):
-    import yaml
+    from stare.cli.presets import load_preset
 
     plan = plan_json("--preset", preset, "--out", tmp_path / "r", *extra)
     assert plan["eval_layout"]["engines"] == engines and plan["eval_layout"]["tp"] == tp
@@ -423,8 +422,7 @@ def test_stare_run_evaluates_on_every_gpu_of_the_preset(tmp_path, preset, extra,
         if step["step"] == "eval":
             cmd = step["command"]
             assert cmd[cmd.index("--engines") + 1] == str(engines) and cmd[cmd.index("--tp") + 1] == str(tp)
-    text = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / f"{preset}.yaml").read_text())
-    s = text["settings"]
+    s = load_preset(preset).settings  # on its base: the file itself may not state the layout
     gpus = s["gpus_per_node"] * (s["nodes"] if "--ray-address" in extra else 1)
     if not extra or extra[0] in ("--ray-address", "--set"):  # the default: every GPU of the node(s)
         assert engines * tp == gpus and tp <= s["vllm_tensor_parallel"]

@@ -46,7 +46,7 @@ def closed_port():
     (["--preset", "qwen-9b"], "unknown preset 'qwen-9b'; valid presets: "),
     (["--preset", "qwen-7b-short-cot", "--algo", "ppo"], "unknown algorithm 'ppo'; valid algorithms: grpo, "),
     (["--preset", "qwen-7b-short-cot", "--set", "gpus=8"], "unknown --set key 'gpus'; valid keys: "),
-    (["--preset", "qwen-7b-short-cot", "--set", "nodes=two"], "--set nodes=two: expected int, got str"),
+    (["--preset", "qwen-7b-short-cot", "--set", "nodes=two"], "--set nodes=two: expected integer >= 1, got str 'two'"),
     (["--preset", "qwen-7b-short-cot", "--set", "vllm_engines=3"], "vllm_engines x vllm_tensor_parallel (3 x 1)"),
     (["--preset", "qwen-7b-tool-use"], "pass --set cold_start_checkpoint=PATH"),
     (["--preset", "qwen-7b-short-cot", "--ray-address", "head-without-port"], "is not HOST:PORT"),
@@ -90,13 +90,13 @@ def test_a_good_gpu_preset_file_fills_defaults():
 
 @pytest.mark.parametrize("edit, pattern", [
     (("  lr: 1.0e-6\n", ""), "missing the setting 'lr'"),
-    (("samples_per_prompt: 8", "samples_per_prompt: eight"), "'samples_per_prompt' must be int, got 'eight'"),
-    (("samples_per_prompt: 8", "samples_per_prompt: true"), "'samples_per_prompt' must be int"),
-    (("lr: 1.0e-6", "lr: fast"), "'lr' must be float"),
+    (("samples_per_prompt: 8", "samples_per_prompt: eight"), "setting samples_per_prompt: expected integer >= 2, got str 'eight'"),
+    (("samples_per_prompt: 8", "samples_per_prompt: true"), "setting samples_per_prompt: expected integer >= 2, got bool True"),
+    (("lr: 1.0e-6", "lr: fast"), "setting lr: expected number > 0, got str 'fast'"),
     (("model: m", "model: m\n  gpu: 8"), "unknown setting 'gpu'"),
     (('"{problem} boxed"', '"no placeholder"'), "prompt_template must contain {problem}"),
     (("train_batch_size: 32", "train_batch_size: 5"), "must be a multiple of train_batch_size"),
-    (("nodes: 1", "nodes: 0"), "'nodes' must be >= 1"),
+    (("nodes: 1", "nodes: 0"), "setting nodes: expected integer >= 1, got 0"),
 ])
 def test_gpu_preset_file_validation(edit, pattern):
     with pytest.raises(PresetError, match=pattern):

@@ -51,10 +51,11 @@ AGG_MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-
              "seq-mean-token-sum-norm": "token-mean"}
 
 
-def check_settings(settings: dict, source: str) -> dict:
+def check_settings(settings: dict, source: str, *, given: dict[str, str] | None = None) -> dict:
     """Check an openrlhf preset's settings (the schema's rows, ``stare_cli/gpu_schema.py``, then the layout rules
-    below) and fill defaults. Returns a new dict."""
-    out = check_values(settings, source)
+    below) and fill defaults. Returns a new dict; ``given``: the keys set with --set, with the text given (named so
+    in a message)."""
+    out = check_values(settings, source, given=given)
     _check_layout(out, source)
     return out
 
