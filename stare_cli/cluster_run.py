@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CliError
+from .run_set import KEPT, NEW, RESUME, plan_json
 from .rundir import FINAL, eval_dir
 
 LOGS = "logs"
 TRAIN, EVAL = "train", "eval"
-KEPT, RESUME, NEW = "kept", "resume", "new"
 
 
 @dataclass
@@ -119,15 +119,14 @@ class ClusterPlan:
         return list(by_run.values())
 
     def to_json(self) -> dict:
-        return {"preset": self.preset, "out": str(self.out), "arms": self.arms, "seeds": self.seeds,
-                "benches": self.evals.benches, "parallel": self.parallel, "ray_address": self.ray_address,
-                "eval_layout": {"engines": self.evals.engines, "tp": self.evals.tp,
-                                "gpus": self.evals.engines * (1 if self.evals.backend == "hf" else self.evals.tp),
-                                "batching": self.evals.batching or "all (or an interrupted evaluation's own)",
-                                **({"memory": self.memory} if self.memory else {})},
-                "gpus_per_arm": self.gpus_per_arm, "steps": [s.to_json() for s in self.steps],
-                "comparison": str(self.out / "comparison.md"),
-                "kept": sum(s.state == KEPT for s in self.steps), "to_run": sum(s.state != KEPT for s in self.steps)}
+        """``run_set.plan_json``'s shape, with this engine's own keys."""
+        return plan_json(self.preset, self.out, self.arms, self.seeds, [s.to_json() for s in self.steps],
+                         benches=self.evals.benches, parallel=self.parallel, ray_address=self.ray_address,
+                         eval_layout={"engines": self.evals.engines, "tp": self.evals.tp,
+                                      "gpus": self.evals.engines * (1 if self.evals.backend == "hf" else self.evals.tp),
+                                      "batching": self.evals.batching or "all (or an interrupted evaluation's own)",
+                                      **({"memory": self.memory} if self.memory else {})},
+                         gpus_per_arm=self.gpus_per_arm)
 
 
 # ---- 1. the plan ----------------------------------------------------------------------------------------------

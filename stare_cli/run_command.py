@@ -25,6 +25,7 @@ from rich.markup import escape
 
 from . import errors
 from .errors import fail
+from .run_set import plan_json
 
 
 @dataclass
@@ -94,8 +95,11 @@ def run_arm_set(arm_set, out: Path, *, preset: str, sets: list[str], parallel: O
     from .local.runner import plan_run_set, run_set
 
     if dry_run:  # the run's own decision for every arm (kept, resume, new), or its refusal
-        dump({"preset": arm_set.preset, "out": str(out), "arms": arm_set.arms, "seeds": arm_set.seeds,
-              "runs": [a.to_json() for a in plan_run_set(arm_set, out, resume=resume)]})
+        steps = [a.to_json() for a in plan_run_set(arm_set, out, resume=resume)]
+        # "runs": the same steps under the key of the first local plans (before the shape was shared), for scripts
+        # that read it; deprecated
+        dump(plan_json(arm_set.preset, out, arm_set.arms, arm_set.seeds, steps, parallel=parallel or 2,
+                       runs=[{k: v for k, v in s.items() if k != "step"} for s in steps]))
         return
     from .report.compare import compare
 

@@ -4,15 +4,32 @@ The arms are ``--algos`` when given, else the preset's ``algos`` setting, each o
 ``--sweep`` values (``stare.cli.sweep``: arms named ``<algo>[KEY=V]``); the seeds ``--seeds``, else the ``seeds``
 setting. Both settings take ``--set`` like any other and are checked by ``stare.cli.presets.resolve`` (the
 schema's words, as ``stare train --set`` reports them). No torch import here: a bad flag fails in a moment.
+
+``plan_json`` is the plan ``stare run --dry-run`` prints, one shape for both engines: every step (arm x seed x
+step) with the decision the run makes for it (``KEPT`` / ``RESUME`` / ``NEW``, the same code as the run's), where
+the comparison goes, and how many steps are kept and to run; then each engine's own keys.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from stare.algorithms.registry import parse_algorithm_list
 
 from .presets import PresetError, load_preset, resolve
 from .sweep import expand, parse_label, parse_sweeps
+
+KEPT, RESUME, NEW = "kept", "resume", "new"  # what the run does with a step: finished, interrupted, not started
+
+
+def plan_json(preset: str, out, arms: list[str], seeds: int, steps: list[dict], **engine) -> dict:
+    """``stare run --dry-run``'s plan: the preset, the folder, the arms and seeds, the engine's own keys
+    (``engine``, in the order given), then ``steps`` (each ``{"step", "arm", "seed", "out", "state", ...}``: a GPU
+    preset's ``train`` and ``eval`` child processes; a local preset's one ``train`` job per arm and seed, which
+    ends with its held-out evaluation), the comparison's path, and the counts of kept steps and steps to run."""
+    return {"preset": preset, "out": str(out), "arms": arms, "seeds": seeds, **engine, "steps": steps,
+            "comparison": str(Path(out) / "comparison.md"), "kept": sum(s["state"] == KEPT for s in steps),
+            "to_run": sum(s["state"] != KEPT for s in steps)}
 
 
 @dataclass

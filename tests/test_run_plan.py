@@ -72,7 +72,11 @@ def dry_then_run(out: Path, *extra) -> dict | str:
         assert (files(out) if out.is_dir() else {}) == everything, "a refused run wrote something"
         return error_line(dry)
     assert real.exit_code == 0, real.output[-3000:]
-    states = {r["arm"]: r["state"] for r in json.loads(dry.stdout)["runs"]}
+    plan = json.loads(dry.stdout)
+    states = {r["arm"]: r["state"] for r in plan["steps"]}
+    assert plan["runs"] == [{k: v for k, v in r.items() if k != "step"} for r in plan["steps"]]  # the old key
+    assert (plan["kept"], plan["to_run"]) == (list(states.values()).count("kept"),
+                                              len(states) - list(states.values()).count("kept"))
     for arm, state in states.items():
         after = files(out / arm)
         if state == "kept":
@@ -166,3 +170,26 @@ def test_a_gpu_dry_run_needs_no_ray(tmp_path, extra):
     assert all(s["command"][s["command"].index("--engines") + 1] == str(engines)
                for s in plan["steps"] if s["step"] == "eval")
     assert not (tmp_path / "r").exists()
+
+
+def test_both_engines_print_one_plan_shape(tmp_path):
+    """A local and a GPU preset's `stare run --dry-run` share the plan's keys (the GPU one adds its own: benches,
+    eval layout, ...), each step is {step, arm, seed, out, state, ...} in arm x seed order, the comparison goes to
+    OUT/comparison.md, and kept + to_run counts every step."""
+    plans = {}
+    for preset in ("tiny-cpu", "qwen-1.5b-1gpu"):
+        res = stare("run", "--preset", preset, "--algos", "grpo,dapo", "--seeds", "2", "--out", tmp_path / preset,
+                    "--dry-run")
+        assert res.exit_code == 0, res.output[-2000:]
+        plans[preset] = json.loads(res.stdout)
+    shared = ["preset", "out", "arms", "seeds", "steps", "comparison", "kept", "to_run"]
+    for preset, plan in plans.items():
+        assert [k for k in plan if k in shared] == shared, (preset, list(plan))
+        assert plan["arms"] == ["grpo", "dapo"] and plan["seeds"] == 2
+        assert plan["comparison"] == str(tmp_path / preset / "comparison.md")
+        trains = [(s["arm"], s["out"]) for s in plan["steps"] if s["step"] == "train"]
+        assert trains == [(a, str(tmp_path / preset / a / f"seed{i}")) for a in ("grpo", "dapo") for i in (0, 1)]
+        assert all(s["state"] == "new" for s in plan["steps"]) and plan["kept"] == 0
+        assert plan["to_run"] == len(plan["steps"])
+    assert len(plans["qwen-1.5b-1gpu"]["steps"]) == 4 * 3  # each training, then its aime24 and aime25 evaluations
+    assert {s["step"] for s in plans["tiny-cpu"]["steps"]} == {"train"}  # a local job ends with its own evaluation

@@ -214,7 +214,7 @@ def test_a_resumed_sweep_keeps_what_finished_and_redoes_only_the_rest(swept, tmp
     (copy / "stare[w=1.1]" / "seed1" / "eval.json").unlink()  # interrupted after its last checkpoint
     res = stare("run", "--preset", "tiny-cpu", "--algos", "stare", "--sweep", "w=1.1,2", "--seeds", "2", "--out", copy,
                 *SETS, "--dry-run", "--resume")
-    states = {(r["arm"], r["seed"]): r["state"] for r in json.loads(res.stdout)["runs"]}
+    states = {(r["arm"], r["seed"]): r["state"] for r in json.loads(res.stdout)["steps"]}
     assert states == {("stare[w=1.1]", 0): "kept", ("stare[w=1.1]", 1): "resume", ("stare[w=2]", 0): "kept",
                       ("stare[w=2]", 1): "new"}
     res = stare("run", "--preset", "tiny-cpu", "--algos", "stare", "--sweep", "w=1.1,2", "--seeds", "2", "--out", copy,

@@ -34,6 +34,7 @@ from .. import stopping
 from ..errors import CliError
 from ..folder_lock import check_free, hold
 from ..quiet import quiet
+from ..run_set import KEPT, NEW, RESUME
 from ..rundir import (CHECKPOINT, RunDirError, check_resumable, check_run_dir, check_run_set_dir, mark_run_set,
                       prepare_run_dir, remove_unstarted_run)
 from .trainer import LocalTrainer, warmstart_name
@@ -117,7 +118,6 @@ def held_out_line(result: dict) -> str:
     return line
 
 
-KEPT, RESUME, NEW = "kept", "resume", "new"
 
 
 @dataclass
@@ -131,7 +131,8 @@ class ArmPlan:
     state: str
 
     def to_json(self) -> dict:
-        return {"arm": self.arm, "seed": self.seed, "out": str(self.run_dir), "state": self.state}
+        """One step of ``run_set.plan_json``: the arm's training, its held-out evaluation at the end."""
+        return {"step": "train", "arm": self.arm, "seed": self.seed, "out": str(self.run_dir), "state": self.state}
 
 
 def plan_arms(resolved_by_arm: dict[str, dict], out: Path, *, seeds: int, resume: bool) -> list[ArmPlan]:
