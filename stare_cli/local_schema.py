@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from stare.algorithms.settings import Setting, check_settings, schema, setting_label
 
-from .local import tasks as _tasks
-
 DEVICES = ("auto", "cpu", "cuda")  # local/device.py resolves them; the names live here (no torch import)
-TASKS = tuple(_tasks.TASKS)  # the local engine's tasks, by name (plain Python, no torch)
+TASKS = ("reverse", "explore", "arith")  # local/tasks.py TASKS implements each, under these names
 MODELS = ("tiny", "smollm2-135m")  # local/models.py initial_policy
 TINY_HEADS = 4  # local/policy.py build_tiny_model: attention heads of the tiny model (hidden must divide by it)
 MAX_SEED = 2**32 - 1

@@ -17,7 +17,6 @@ PACKAGES = {"algorithms": "stare.algorithms", "eval": "stare.eval", "stare_cli":
 # the imports that still go against the table, each with why (docs/architecture.md names them too): the test fails
 # when one is mended and still listed here
 KNOWN = {
-    ("stare.cli.local_schema", "stare.cli.local"): "the local engine's task names (local/tasks.py, plain Python)",
     ("stare.cli.presets", "stare.cli.openrlhf_backend.argv"): "a GPU preset's layout rules (OpenRLHF's own asserts)",
 }
 

@@ -48,6 +48,7 @@ def test_the_schema_names_what_the_engine_accepts():
         else:
             assert device.engine_device({"device": name}).type in ("cpu", "cuda")
     assert all(tasks.get_task(name).name == name for name in SCHEMA["task"].choices)  # each choice builds its task
+    assert set(SCHEMA["task"].choices) == set(tasks.TASKS)  # and the engine has no task the setting cannot name
     # what `stare algos --settings` shows for the local scope: every local setting, with its own meaning
     from typer.testing import CliRunner
 
