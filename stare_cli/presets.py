@@ -161,7 +161,7 @@ def load_preset_file(path: Path) -> Preset:
     if not isinstance(data["name"], str) or not NAME_RE.fullmatch(data["name"]):
         raise PresetError(f"preset {source}: name {data['name']!r} must be letters, digits, '.', '_' or '-' (it "
                           "names run folders)")
-    preset = parse_preset_data(data, source=source, file_fields=("base",))
+    preset = parse_preset_data(data, source=source)
     preset.file = {"path": str(path.absolute()), "sha256": hashlib.sha256(raw).hexdigest()}
     return preset
 
@@ -212,13 +212,12 @@ def parse_preset(text: str, *, source: str, expected_name: str | None = None) ->
     if not isinstance(data, dict):
         raise PresetError(f"preset {source} must be a mapping of fields, got {type(data).__name__}")
     data = with_base(data, source, (expected_name,) if expected_name else ())
-    return parse_preset_data(data, source=source, expected_name=expected_name, file_fields=("base",))
+    return parse_preset_data(data, source=source, expected_name=expected_name)
 
 
-def parse_preset_data(data: dict, *, source: str, expected_name: str | None = None,
-                      file_fields: tuple[str, ...] = ()) -> Preset:
-    """``file_fields``: the fields a preset file of one's own may also hold (``base``), named in the unknown-field
-    line with the rest."""
+def parse_preset_data(data: dict, *, source: str, expected_name: str | None = None) -> Preset:
+    """A preset from its fields, ``base:`` already resolved (``with_base``); the unknown-field line names ``base``
+    with the valid fields, since every preset may start from one."""
     for key, typ in REQUIRED.items():
         if key not in data:
             raise PresetError(f"preset {source} is missing the field {key!r}")
@@ -227,7 +226,7 @@ def parse_preset_data(data: dict, *, source: str, expected_name: str | None = No
     unknown = sorted(set(data) - set(REQUIRED) - {"algorithms"})
     if unknown:
         raise PresetError(f"preset {source} has unknown field {unknown[0]!r}; valid fields: "
-                          f"{', '.join([*REQUIRED, 'algorithms', *file_fields])}")
+                          f"{', '.join([*REQUIRED, 'algorithms', 'base'])}")
     if expected_name is not None and data["name"] != expected_name:
         raise PresetError(f"preset {source} names itself {data['name']!r}; the name must match the file name")
     if data["backend"] not in BACKENDS:
