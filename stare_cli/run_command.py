@@ -94,16 +94,17 @@ def run_arm_set(arm_set, out: Path, *, preset: str, sets: list[str], parallel: O
              "problems (its eval_* settings)")
     from .local.runner import plan_run_set, run_set
 
+    parallel = parallel or 2  # arms at a time, on one CPU thread each
     if dry_run:  # the run's own decision for every arm (kept, resume, new), or its refusal
         steps = [a.to_json() for a in plan_run_set(arm_set, out, resume=resume)]
         # "runs": the same steps under the key of the first local plans (before the shape was shared), for scripts
         # that read it; deprecated
-        dump(plan_json(arm_set.preset, out, arm_set.arms, arm_set.seeds, steps, parallel=parallel or 2,
+        dump(plan_json(arm_set.preset, out, arm_set.arms, arm_set.seeds, steps, parallel=parallel,
                        runs=[{k: v for k, v in s.items() if k != "step"} for s in steps]))
         return
     from .report.compare import compare
 
-    failures = run_set(arm_set, out, resume=resume, parallel=parallel or 2, console=console,
+    failures = run_set(arm_set, out, resume=resume, parallel=parallel, console=console,
                        report=lambda finished, failed: compare(finished, out, notes=failed))
     if (out / "comparison.md").is_file():
         print_comparison(out, console)
