@@ -668,12 +668,13 @@ def test_entropy_adaptive_moves_its_coefficient_by_the_rule_and_openrlhf_applies
     saved = json.loads((r.out / "ckpt" / "stare" / "global_step2.json").read_text())["entropy_coef"]
     assert saved == {"kind": "entropy_coef", "coef": coef, "steps": 2, "applied": path[2]}, saved
     # OpenRLHF computed its entropy term (--actor.entropy_coef set) on the policy it trains: at lr 1e-6 that is the
-    # old policy's batch entropy, which the plugin measured separately (token-weighted both; measured: 1e-5 apart,
-    # relative, the two bf16 forwards), and the bonus logged beside the loss is the applied coefficient times it
+    # old policy's batch entropy, which the plugin measured separately (token-weighted both; measured 1e-5 apart,
+    # relative, and 1.1e-4 at step 2 once the bonus acts at both steps: the two bf16 forwards), and the bonus logged
+    # beside the loss is the applied coefficient times it
     ent = tags.get("train/entropy_loss", {})
     assert set(ent) == {1, 2}, sorted(tags)
     for step in (1, 2):
-        assert ent[step] == pytest.approx(old_entropy[step], rel=1e-4), (ent, old_entropy)
+        assert ent[step] == pytest.approx(old_entropy[step], rel=5e-4), (ent, old_entropy)
         assert tags["train/stare/entropy_bonus"][step] == pytest.approx(path[step] * ent[step], rel=1e-6, abs=1e-12)
         share = tags["train/stare/entropy_bonus_share"][step]
         assert (0 < share < 1) if path[step] else share == 0, (step, share)
