@@ -114,12 +114,15 @@ def worker_setup(parent_pid: int | None = None) -> None:
 def spawning():
     """Around the start of worker processes: SIGINT is held back (blocked) in this thread, so a child starts with it
     blocked and a Ctrl-C in its first second (its interpreter still importing, before ``worker_setup``) cannot kill
-    it half-started; a SIGINT that reaches this process meanwhile acts when the block ends."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    it half-started. The block is also ``critical``: a signal that reaches this process meanwhile (through another
+    of its threads, where SIGINT is not blocked, or a SIGTERM) acts when the block ends, not while the parent is
+    still writing a child's start-up data down its pipe (a child cut off there dies of EOFError, unseen)."""
+    with critical():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def submit(pool, fn, *args):

@@ -284,6 +284,54 @@ def test_a_ctrl_c_while_a_worker_starts_does_not_kill_it_half_started(tmp_path):
         assert proc.returncode == 130
 
 
+MID_LAUNCH = """
+import multiprocessing as mp, os, signal, sys, threading, time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import popen_spawn_posix
+from stare.cli import stopping
+
+def job():
+    time.sleep(600)
+
+def spawn_then_signal(path, args, passfds):  # the child exists, its start-up data not yet written down its pipe
+    pid = real_spawn(path, args, passfds)
+    if not any("spawn_main" in str(a) for a in args):  # the resource tracker's start, not a worker's
+        return pid
+    os.kill(os.getpid(), signal.SIG)
+    time.sleep(0.5)  # the handler's chance to run in the main thread
+    return pid
+
+if __name__ == "__main__":
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a thread where SIGINT is not blocked
+    real_spawn = popen_spawn_posix.util.spawnv_passfds
+    popen_spawn_posix.util.spawnv_passfds = spawn_then_signal
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=stopping.worker_setup,
+                               initargs=(os.getpid(),))
+    with stopping.stop_on_signals():
+        try:
+            stopping.submit(pool, job)
+            print("not stopped", flush=True)
+        except KeyboardInterrupt:
+            time.sleep(3)  # a child cut off mid-start would have died by now
+            print("stopped", stopping.stop_processes(list(pool._processes.values()), grace=20), flush=True)
+            raise
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_parent_writes_a_workers_start_up_data_waits_for_it(tmp_path, sig):
+    # the CI failure this guards: a Ctrl-C reached the parent (through another thread) between the worker's spawn and
+    # the write of its start-up data; the stop cut the write, the worker died of EOFError and "0 worker(s) stopped"
+    script = tmp_path / "mid_launch.py"
+    script.write_text(MID_LAUNCH.replace("signal.SIG)", f"signal.{sig})"))
+    proc = start([sys.executable, str(script)])
+    out, err = proc.communicate(timeout=120)
+    assert out.splitlines() == ["stopped 1"], (out, err[-3000:])
+    assert "Traceback" not in err and "EOFError" not in err, err[-3000:]
+    assert proc.returncode == (130 if sig == "SIGINT" else 143)
+    assert f"stopped by {sig}" in err
+
+
 QUEUED_JOBS = """
 import multiprocessing as mp, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
