@@ -229,6 +229,30 @@ def test_baseline_picks_one_of_two_arms_of_an_algorithm_by_folder(tmp_path):
     assert find_baseline(arms, "grpo") is None
 
 
+def test_baseline_names_the_folder_of_an_algorithms_only_arm(tmp_path):
+    """``--baseline FOLDER`` where the arm's label carries no folder (its algorithm has one arm here): the folder of
+    its seeds, or one seed's run folder, picks it; the tests are then against it (brute force over the 20 splits)."""
+    import itertools
+
+    grpo, twin = [0.30, 0.41, 0.35], [0.20, 0.22, 0.45]
+    _seeded_runs(tmp_path / "main", "grpo", grpo)
+    _seeded_runs(tmp_path / "twin", "dapo", twin)
+    pool, splits = grpo + twin, list(itertools.combinations(range(6), 3))
+    expect = sum(sum(pool[i] for i in s) >= sum(grpo) - 1e-12 for s in splits) / len(splits)
+    for baseline in (tmp_path / "twin" / "dapo", tmp_path / "twin" / "dapo" / "seed0"):
+        res = stare("compare", str(tmp_path / "main"), str(tmp_path / "twin"), "--out", str(tmp_path / "cmp"),
+                    "--baseline", str(baseline))
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = {r["label"]: r for r in json.loads((tmp_path / "cmp" / "comparison.json").read_text())["seed_tests"]}
+        assert rows["dapo"]["late_entropy"]["p_higher"] is None  # the baseline itself
+        assert rows["grpo"]["late_entropy"]["p_higher"] == pytest.approx(expect)
+    from stare.cli.report.seeds import find_baseline
+
+    arm = {"arm": "dapo", "label": "dapo", "runs": [{"path": str(tmp_path / "twin" / "dapo" / f"seed{i}")}
+                                                    for i in range(3)]}
+    assert find_baseline([arm], str(tmp_path / "twin")) is None  # the run set's folder is not the arm's
+
+
 def test_a_baseline_that_names_no_arm_is_one_line_and_writes_nothing(tmp_path):
     _seeded_runs(tmp_path / "runs", "dapo", [0.1, 0.2])
     res = stare("compare", str(tmp_path / "runs"), "--out", str(tmp_path / "cmp"), "--baseline", "grpo")

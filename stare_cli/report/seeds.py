@@ -3,6 +3,7 @@ arm, and the seed table's one-sided exact permutation tests of each arm's per-se
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from stare.eval.metrics import permutation_test
 
@@ -64,14 +65,23 @@ def default_baseline(arms: list[dict]) -> dict | None:
 
 def find_baseline(arms: list[dict], baseline: str) -> dict | None:
     """The arm the tests compare against: the one labelled ``baseline`` (``stare (runs/x/stare)`` where two arms
-    share an algorithm), or whose folder is ``baseline`` (the part of such a label in parentheses), else the first
-    arm of algorithm ``baseline``; None when there is none."""
+    share an algorithm), or whose folder is ``baseline`` (the part of such a label in parentheses, or, where the
+    label has none because its algorithm has one arm, the arm's folder: a seed's run folder, or the folder of an
+    arm's seeds), else the first arm of algorithm ``baseline``; None when there is none."""
     for match in (lambda a: a.get("label") == baseline, lambda a: str(a.get("label", "")).endswith(f" ({baseline})"),
-                  lambda a: a["arm"] == baseline):
+                  lambda a: _same_folder(baseline, a), lambda a: a["arm"] == baseline):
         found = next((a for a in arms if match(a)), None)
         if found is not None:
             return found
     return None
+
+
+def _same_folder(folder: str, arm: dict) -> bool:
+    """Whether ``folder`` is one of ``arm``'s run folders, or the one folder holding its seeds' runs."""
+    paths = [Path(r["path"]) for r in arm.get("runs") or []]
+    folders = set(paths) | ({paths[0].parent} if len(paths) > 1 and len({p.parent for p in paths}) == 1 else set())
+    want = Path(folder).resolve()
+    return any(f.resolve() == want for f in folders)
 
 
 def seed_tests(arms: list[dict], base: dict | None) -> list[dict]:
