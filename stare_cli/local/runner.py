@@ -118,8 +118,6 @@ def held_out_line(result: dict) -> str:
     return line
 
 
-
-
 @dataclass
 class ArmPlan:
     """One arm x seed of a local ``stare run``: its settings (the seed set), its folder and what the run does there:
